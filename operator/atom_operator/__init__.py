@@ -1,0 +1,1 @@
+"""Kopf operator for AtomDeployment resources."""

@@ -1,0 +1,77 @@
+"""The runtime's command line: the contract the operator renders (see DESIGN.md).
+
+Kept free of torch imports so the operator's contract test and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+ROLES = ("unified", "prefill", "decode")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--compilation-config is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--compilation-config must be a JSON object")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _level(text: str) -> int:
+    value = int(text)
+    if value not in (0, 1, 2, 3):
+        raise argparse.ArgumentTypeError(f"--level must be one of 0, 1, 2, 3, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by `serve` and `warmup`."""
+    parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or a built-in shape name")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=512)
+    parser.add_argument("--max-model-len", type=_positive_int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--level", type=_level, default=None, help="compilation level 0-3 (default 3)")
+    parser.add_argument("--cudagraph-mode", default=None, help="NONE, TR_HYBRID, FULL, FULL_DECODE_ONLY, FULL_AND_TR_HYBRID")
+    parser.add_argument("--cudagraph-capture-sizes", type=_positive_int, nargs="+", default=None)
+    parser.add_argument("--cuda-graph-sizes", type=_positive_int, nargs="+", default=None)
+    parser.add_argument("--compilation-config", type=_json_object, default=None, help="CompilationConfig fields as JSON")
+    parser.add_argument("--compile-cache-dir", default=None)
+    parser.add_argument("--role", choices=ROLES, default="unified")
+    parser.add_argument("--kv-port", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks on CPU (GPU: sized from free memory)")
+    parser.add_argument("--max-waiting", type=_positive_int, default=1024, help="queue bound; beyond it requests get 429")
+    parser.add_argument("--log-level", default="info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atom-runtime", description="ATOM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_engine_args(serve)
+    warmup = sub.add_parser("warmup", help="compile and capture into the cache, print a JSON summary, exit")
+    add_engine_args(warmup)
+    return parser

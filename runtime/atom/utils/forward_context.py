@@ -1,0 +1,136 @@
+"""Per-step side channel for metadata the model reads during a forward pass.
+
+Captured CUDA graphs cannot take new arguments, so everything that changes per step
+(positions, sequence lengths, block tables) reaches the layers through this module-level
+context: set before the forward, read inside it, reset after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetaData:
+    """What the attention op needs to find this step's keys and values in the paged cache.
+
+    Row-level tensors are padded to the step's row count; padded rows have slot -1.
+    """
+
+    cu_seqlens_q: torch.Tensor | None = None  # int32 [num_seqs + 1], query rows per sequence
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1], cached + new tokens per sequence
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None  # int64 [num_rows], KV slot per row, -1 = padding
+    context_lens: torch.Tensor | None = None  # int32 [num_seqs], KV length per sequence after this step
+    block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks_per_seq]
+    num_seqs: int = 0  # real (unpadded) sequences in the step
+    num_rows: int = 0  # real (unpadded) query rows in the step
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    positions: torch.Tensor | None = None  # token position ids
+    is_prefill: bool = False  # whether this is a prefill (or mixed) step
+    batch_size: int = 0  # number of sequences in the batch
+    running_bs: int = 0  # padded SEQUENCE count: graph lookup, draft width
+    running_tokens: int = 0  # padded ROW count
+    is_draft: bool = False
+
+
+@dataclass
+class DPMetadata:
+    """Token counts across data-parallel ranks (one rank here: kept for the guide's API)."""
+
+    num_tokens_across_dp: list[int] = field(default_factory=list)
+
+    @property
+    def max_tokens_across_dp(self) -> int:
+        return max(self.num_tokens_across_dp, default=0)
+
+
+@dataclass
+class SpecDecodeMetadata:
+    draft_token_ids: torch.Tensor | None = None
+    num_draft_tokens: list[int] = field(default_factory=list)
+    logits_indices: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    no_compile_layers: dict[int, Any] = field(default_factory=dict)
+    attn_metadata: AttentionMetaData | dict[str, AttentionMetaData] | None = None
+    kv_cache_data: dict[str, Any] = field(default_factory=dict)
+    context: Context | None = None
+    dp_metadata: DPMetadata | None = None
+    spec_decode_metadata: SpecDecodeMetadata | None = None
+    # None: eager; "record": a TokenGraph is being recorded; "replay": replay the token graph.
+    tr_graph: str | None = None
+    atom_config: Any = None
+
+
+_forward_context: ForwardContext = ForwardContext()
+
+
+def get_forward_context() -> ForwardContext:
+    return _forward_context
+
+
+def set_forward_context(
+    attn_metadata: AttentionMetaData | dict[str, AttentionMetaData] | None = None,
+    atom_config: Any = None,
+    context: Context | None = None,
+    num_tokens: int | None = None,
+    num_tokens_across_dp: list[int] | None = None,
+    spec_decode_metadata: SpecDecodeMetadata | None = None,
+    tr_graph: str | None = None,
+    no_compile_layers: dict[int, Any] | None = None,
+    kv_cache_data: dict[str, Any] | None = None,
+) -> ForwardContext:
+    """Install the context for the next forward; layers read it with get_forward_context()."""
+    global _forward_context
+    dp = None
+    if num_tokens_across_dp is not None:
+        dp = DPMetadata(list(num_tokens_across_dp))
+    elif num_tokens is not None:
+        dp = DPMetadata([num_tokens])
+    if no_compile_layers is None:
+        no_compile_layers = _forward_context.no_compile_layers
+    if kv_cache_data is None:
+        kv_cache_data = _forward_context.kv_cache_data
+    _forward_context = ForwardContext(
+        no_compile_layers=no_compile_layers,
+        attn_metadata=attn_metadata,
+        kv_cache_data=kv_cache_data,
+        context=context,
+        dp_metadata=dp,
+        spec_decode_metadata=spec_decode_metadata,
+        tr_graph=tr_graph,
+        atom_config=atom_config,
+    )
+    return _forward_context
+
+
+def reset_forward_context() -> None:
+    """Drop the step's metadata; the static layer registry and KV cache stay registered."""
+    global _forward_context
+    _forward_context = ForwardContext(
+        no_compile_layers=_forward_context.no_compile_layers,
+        kv_cache_data=_forward_context.kv_cache_data,
+    )
+
+
+@contextmanager
+def forward_context(**kwargs: Any) -> Iterator[ForwardContext]:
+    """set_forward_context for the duration of a with-block, reset afterwards."""
+    ctx = set_forward_context(**kwargs)
+    try:
+        yield ctx
+    finally:
+        reset_forward_context()
