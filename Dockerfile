@@ -1,0 +1,63 @@
+# syntax=docker/dockerfile:1.7
+#
+# Two images from one build:
+#   docker build --target runtime  -t atom-runtime:0.1.0  .
+#   docker build --target operator -t atom-operator:0.1.0 .
+#
+# The runtime base is the official PyTorch image whose torch is the one pyproject.toml pins
+# (torch==2.11.0, CUDA 13.0 build, cuDNN 9, "runtime" flavour: CUDA libraries without
+# nvcc). Override RUNTIME_BASE to pick another CUDA build of the same torch version
+# (for example pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime for older drivers).
+# Triton ships inside the torch wheel and compiles its kernels with its bundled ptxas, so
+# the runtime image needs no compiler toolchain.
+ARG RUNTIME_BASE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
+ARG PYTHON_BASE=python:3.11-slim
+ARG UID=10001
+
+# ---------------------------------------------------------------------------------------
+# builder: the project wheel, and the operator's virtual environment (everything but torch)
+FROM ${PYTHON_BASE} AS builder
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY runtime/ runtime/
+COPY operator/ operator/
+RUN pip wheel --no-deps --wheel-dir /wheels .
+# The operator never imports torch: install the pinned dependencies without it, so the
+# operator image stays a few hundred MB instead of several GB.
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/operator-requirements.txt \
+ && python -m venv /opt/venv \
+ && /opt/venv/bin/pip install -r /tmp/operator-requirements.txt \
+ && /opt/venv/bin/pip install --no-deps /wheels/*.whl
+
+# ---------------------------------------------------------------------------------------
+# runtime: the inference engine (atom-runtime serve|warmup, atom-router)
+FROM ${RUNTIME_BASE} AS runtime
+ARG UID
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# The wheel is bind-mounted, not copied, so it adds no layer. torch==2.11.0 is already
+# satisfied by the base image; pip only adds the small pure-Python dependencies.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    pip install /wheels/*.whl \
+ && useradd --uid "${UID}" --user-group --create-home --shell /usr/sbin/nologin atom \
+ && mkdir -p /models /var/cache/atom \
+ && chown atom:atom /models /var/cache/atom
+# /models: model weights (a PVC, hostPath or image volume); /var/cache/atom: the shared
+# compile cache (the operator passes --compile-cache-dir /var/cache/atom/<key>).
+VOLUME ["/models", "/var/cache/atom"]
+USER ${UID}:${UID}
+WORKDIR /home/atom
+EXPOSE 8000
+ENTRYPOINT ["atom-runtime"]
+CMD ["serve", "--help"]
+
+# ---------------------------------------------------------------------------------------
+# operator: the Kopf operator (liveness on :8080/healthz)
+FROM ${PYTHON_BASE} AS operator
+ARG UID
+ENV PATH=/opt/venv/bin:${PATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+RUN useradd --uid "${UID}" --user-group --no-create-home --shell /usr/sbin/nologin atom
+COPY --from=builder /opt/venv /opt/venv
+USER ${UID}:${UID}
+EXPOSE 8080
+ENTRYPOINT ["atom-operator"]

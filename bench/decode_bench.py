@@ -1,0 +1,377 @@
+"""Decode-step latency of the engine per graph mode and level, against transformers and the
+memory-bandwidth bound (issue 5).
+
+Model: the Llama-3.2-1B shape (built-in `llama-3.2-1b`), bf16 dummy weights; every sequence
+holds --context tokens. For each level, one engine is compiled once and the graph modes are
+swapped on it (GraphRunner with a mode override), so the modes run the same compiled code:
+- forward_ms: ModelRunner.run_model on one prepared decode batch (replay or eager forward +
+  logits), timed over --iters back-to-back calls between two synchronisations;
+- step_ms: a whole LLMEngine.step() (scheduling, input preparation, forward, sampling).
+Also: transformers generate() with a static cache (which compiles the forward with
+torch.compile) on the same shapes; the bound (weight + KV bytes) / measured copy rate; the
+capture time of the default ladder (1-8, 16..512).
+
+    python bench/decode_bench.py --out results.json [--batches 1 8 64] [--levels 0 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import time
+from typing import Any
+
+import torch
+
+MODEL = "llama-3.2-1b"
+DEFAULT_LADDER = list(range(1, 9)) + list(range(16, 513, 16))
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def copy_rate_bytes_per_s(nbytes: int = 2 << 30, iters: int = 10) -> float:
+    """Device copy rate counting the bytes read and written (2 x size per copy)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync()
+    rate = 2 * nbytes * iters / (time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
+
+
+def shape_bytes(context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) of the bf16 model shape, counted from its config."""
+    from atom.models.registry import load_model_config
+
+    c = load_model_config(MODEL)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
+        + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    params = c.num_hidden_layers * per_layer + c.hidden_size \
+        + c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return 2 * params, 2 * c.num_hidden_layers * kv * 2
+
+
+def bound_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
+             rate: float) -> float:
+    """Each decode step reads every weight once and each sequence's KV cache once."""
+    return (weight_bytes + kv_bytes_per_token * batch * context) / rate * 1e3
+
+
+# --------------------------------------------------------------------------- our engine
+
+
+def build_engine(level: int, max_num_seqs: int, context: int, num_kv_blocks: int):
+    from atom.config import CompilationConfig, Config, CUDAGraphMode
+    from atom.engine.llm_engine import LLMEngine
+
+    cfg = Config(model=MODEL, load_format="dummy", dtype="bfloat16", device="cuda",
+                 max_num_seqs=max_num_seqs, max_model_len=context + 1024,
+                 max_num_batched_tokens=8192, num_kv_blocks=num_kv_blocks,
+                 compilation_config=CompilationConfig(
+                     level=level, cudagraph_mode=CUDAGraphMode.NONE))
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    summary = engine.warmup()  # compiles at level 3; mode NONE captures nothing
+    return engine, time.perf_counter() - t0, summary
+
+
+def capture(engine, mode, sizes: list[int]) -> tuple[Any, float]:
+    from atom.model_engine.graph_runner import GraphRunner
+
+    gr = GraphRunner(engine.config, mode=mode, capture_sizes=sizes)
+    engine.runner.graph_runner = gr
+    seconds, _ = engine.runner.capture_cudagraph()
+    return gr, seconds
+
+
+def fill_batch(engine, batch: int, context: int) -> None:
+    """batch sequences of `context` prompt tokens, prefilled, decoding indefinitely."""
+    from atom.engine.params import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    vocab = engine.hf_config.vocab_size
+    for i in range(batch):
+        prompt = torch.randint(10, vocab, (context,), generator=g).tolist()
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    while True:  # run prefill chunks until a pure decode step is next
+        engine.step()
+        if all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) \
+                and not engine.scheduler.waiting:
+            break
+
+
+def time_forward(engine, iters: int) -> float:
+    """ms per run_model on the next decode batch (prepared once, replayed/run iters times)."""
+    from atom.utils.forward_context import reset_forward_context
+
+    runner = engine.runner
+    sched = engine.scheduler.schedule()
+    assert not sched.is_prefill, "expected a pure decode batch"
+    seqs = sched.seqs
+    pad = (None, None)
+    if runner.graph_runner is not None:
+        pad = runner.graph_runner.pad_sizes(runner, seqs, False)
+    with torch.inference_mode():
+        input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
+        idx = torch.arange(len(seqs), device=runner.device)
+        runner.set_context(meta, context)
+        try:
+            for _ in range(3):
+                runner.run_model(input_ids, idx)
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                runner.run_model(input_ids, idx)
+            _sync()
+            ms = (time.perf_counter() - t0) / iters * 1e3
+        finally:
+            reset_forward_context()
+    for s in seqs:  # un-schedule: the engine's next step schedules them again
+        s.num_scheduled_tokens = 0
+    return ms
+
+
+def time_steps(engine, steps: int) -> float:
+    for _ in range(2):
+        engine.step()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()  # sampling returns host tokens: every step ends synchronised
+    _sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def drain(engine) -> None:
+    for rid in list(engine._seqs):
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def bench_level(level: int, batches: list[int], modes: list[str], context: int, iters: int,
+                steps: int, ladder: bool) -> dict[str, Any]:
+    from atom.config import CUDAGraphMode
+    from atom.utils.counters import counters
+
+    max_bs = max(batches)
+    blocks = max_bs * ((context + 1024) // 16 + 2) + 64
+    engine, init_s, summary = build_engine(level, max(512 if ladder else max_bs, max_bs),
+                                           context, blocks)
+    out: dict[str, Any] = {"init_seconds": round(init_s, 2),
+                           "compile_seconds": summary.get("compile_seconds"),
+                           "modes": {}, "capture": {}}
+    runners: dict[str, Any] = {}
+    for name in modes:
+        mode = CUDAGraphMode.parse(name)
+        if mode == CUDAGraphMode.NONE:
+            runners[name] = None
+            continue
+        gr, secs = capture(engine, mode, sorted(set(batches)))
+        runners[name] = gr
+        out["capture"][name] = {"sizes": sorted(set(batches)), "seconds": round(secs, 3),
+                                "pool_bytes": gr.pool_bytes}
+    for batch in batches:
+        engine.runner.graph_runner = None
+        fill_batch(engine, batch, context)
+        for name in modes:
+            engine.runner.graph_runner = runners[name]
+            with counters.track() as d:
+                fwd = time_forward(engine, iters)
+                stp = time_steps(engine, steps)
+            replays = d.get("graph_replays", 0)
+            if name != "NONE":
+                assert replays > 0, f"{name} at batch {batch} did not replay: {d}"
+            out["modes"].setdefault(name, {})[str(batch)] = {
+                "forward_ms": round(fwd, 4), "step_ms": round(stp, 4), "replays": replays}
+            print(f"level {level} {name:>10} batch {batch:>3}: forward {fwd:7.3f} ms, "
+                  f"step {stp:7.3f} ms", flush=True)
+        engine.runner.graph_runner = None
+        drain(engine)
+    if ladder:
+        for name in [m for m in modes if m != "NONE"]:
+            engine.runner.graph_runner = None
+            runners.pop(name, None)
+            gc.collect()
+            gr, secs = capture(engine, CUDAGraphMode.parse(name), DEFAULT_LADDER)
+            out["capture"][f"{name}_default_ladder"] = {
+                "sizes": len(DEFAULT_LADDER), "seconds": round(secs, 2),
+                "pool_bytes": gr.pool_bytes}
+            print(f"level {level} {name}: default ladder ({len(DEFAULT_LADDER)} sizes) captured "
+                  f"in {secs:.2f} s, pool {gr.pool_bytes / 2**20:.0f} MiB", flush=True)
+            del gr
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    out["weight_bytes"] = int(weights)
+    hf = engine.hf_config
+    out["kv_bytes_per_token"] = int(2 * hf.num_hidden_layers * hf.num_key_value_heads
+                                    * hf.head_dim * 2)
+    engine.runner.graph_runner = None
+    del engine, runners
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def bench_transformers(batches: list[int], context: int, n0: int, n1: int) -> dict[str, Any]:
+    """ms per decode step of generate() with a static cache (auto torch.compile)."""
+    from transformers import LlamaConfig, StoppingCriteria, StoppingCriteriaList
+    from transformers import LlamaForCausalLM as HFLlama
+
+    class StopAfter(StoppingCriteria):
+        """Stop after k new tokens while the static cache stays sized for n1 (no recompile)."""
+
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> Any:
+            done = input_ids.shape[1] >= context + self.k
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
+                              device=input_ids.device)
+
+    from atom.models.registry import load_model_config
+
+    shape = load_model_config(MODEL)
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        rms_norm_eps=shape.rms_norm_eps, max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+    )  # RoPE parameters left at defaults: they do not change the step's cost
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = HFLlama(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    out: dict[str, Any] = {}
+    def gen(ids: torch.Tensor, n: int) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n1,
+                           do_sample=False, cache_implementation="static", pad_token_id=0,
+                           stopping_criteria=StoppingCriteriaList([StopAfter(n)]))
+        _sync()
+        return time.perf_counter() - t0
+
+    for batch in batches:
+        ids = torch.randint(10, 120_000, (batch, context), device="cuda")
+        t0 = time.perf_counter()
+        gen(ids, n1)  # compiles
+        gen(ids, n1)
+        warm = time.perf_counter() - t0
+        t_small, t_big = gen(ids, n0), gen(ids, n1)
+        ms = (t_big - t_small) / (n1 - n0) * 1e3
+        out[str(batch)] = {"decode_ms": round(ms, 4), "warmup_seconds": round(warm, 1)}
+        print(f"transformers static+compile batch {batch:>3}: {ms:7.3f} ms/step "
+              f"(warm-up {warm:.1f} s)", flush=True)
+    model.cpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(result: dict[str, Any]) -> str:
+    batches = result["batches"]
+    lines = ["| what | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    lines.append("| bound (weights + KV) / copy rate | "
+                 + " | ".join(f"{result['bound_ms'][str(b)]:.3f}" for b in batches) + " |")
+    for level, data in result["levels"].items():
+        for mode, per in data["modes"].items():
+            lines.append(f"| level {level} {mode} forward | "
+                         + " | ".join(f"{per[str(b)]['forward_ms']:.3f}" for b in batches) + " |")
+            lines.append(f"| level {level} {mode} engine step | "
+                         + " | ".join(f"{per[str(b)]['step_ms']:.3f}" for b in batches) + " |")
+    if result.get("transformers"):
+        hf = result["transformers"]
+        lines.append("| transformers static cache + compile | "
+                     + " | ".join(f"{hf[str(b)]['decode_ms']:.3f}" if str(b) in hf else "-"
+                                  for b in batches) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--levels", type=int, nargs="*", default=[0, 3])
+    ap.add_argument("--modes", nargs="+", default=["NONE", "TR_HYBRID", "FULL"])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-ladder", action="store_true", help="skip the default-ladder capture")
+    ap.add_argument("--ladder-levels", type=int, nargs="+", default=[3])
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=None)
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    rate = copy_rate_bytes_per_s()
+    print(f"device copy rate {rate / 1e12:.2f} TB/s", flush=True)
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "python": platform.python_version(), "model": MODEL, "dtype": "bfloat16",
+        "context": args.context, "batches": args.batches, "copy_rate_Bps": rate, "levels": {},
+    }
+    for level in args.levels:
+        result["levels"][str(level)] = bench_level(
+            level, args.batches, args.modes, args.context, args.iters, args.steps,
+            ladder=not args.no_ladder and level in args.ladder_levels)
+        with open(args.out, "w") as f:  # partial results survive a later failure
+            json.dump(result, f, indent=2)
+    weight_bytes, kv_per_token = shape_bytes(args.context)
+    for level, data in result["levels"].items():  # the engine's own count should agree
+        if data["weight_bytes"] != weight_bytes:
+            print(f"note: level {level} engine holds {data['weight_bytes']} weight bytes, "
+                  f"the shape counts {weight_bytes}", flush=True)
+    result["weight_bytes"], result["kv_bytes_per_token"] = weight_bytes, kv_per_token
+    result["bound_ms"] = {
+        str(b): round(bound_ms(weight_bytes, kv_per_token, b, args.context, rate), 4)
+        for b in args.batches}
+    if not args.no_transformers:
+        try:
+            result["transformers"] = bench_transformers(args.hf_batches or args.batches,
+                                                        args.context, 16, 80)
+        except Exception as exc:  # noqa: BLE001 - record, keep the engine figures
+            result["transformers_error"] = repr(exc)
+            print(f"transformers benchmark failed: {exc!r}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()

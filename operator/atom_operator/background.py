@@ -1,0 +1,138 @@
+"""Reconcile triggers outside Kopf's per-object handlers.
+
+- `Requeue`: a child (Deployment, Pod, Job, Service, ConfigMap, PVC) changed, so its owner is
+  reconciled soon (coalesced: a burst of pod events costs one reconcile). Status follows
+  readiness within a second, and a child deleted by hand comes back at once.
+- the periodic resync pass: every AtomDeployment, every interval, as a safety net.
+Neither is a Kopf timer or daemon: those put a finalizer on every object, and a finalizer makes
+deletion hang whenever the operator is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from atom_operator import models
+from atom_operator.kube import Kube
+from atom_operator.runner import run_one, seconds_since_reconcile
+
+COALESCE_S = 0.5
+
+
+class Requeue:
+    """A set of (namespace, name) keys to reconcile, drained by one worker thread."""
+
+    def __init__(self) -> None:
+        self._pending: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+
+    def add(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._pending.add((namespace, name))
+            self._wake.set()
+
+    def drain(self) -> set[tuple[str, str]]:
+        with self._lock:
+            items, self._pending = self._pending, set()
+            self._wake.clear()
+            return items
+
+    def wait(self, timeout: float) -> bool:
+        return self._wake.wait(timeout)
+
+
+class Background:
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        namespaces: tuple[str, ...],
+        interval: float,
+        default_image: str,
+        logger: logging.Logger,
+    ) -> None:
+        self.kube = kube
+        self.namespaces = namespaces
+        self.interval = interval
+        self.default_image = default_image
+        self.logger = logger
+        self.requeue = Requeue()
+        self.stop = threading.Event()
+        # Separate pools: a long resync pass never delays reconciles triggered by events.
+        self.event_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="requeue")
+        self.resync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resync")
+
+    def start(self) -> None:
+        for target, name in ((self._requeue_loop, "requeue"), (self._resync_loop, "resync")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.requeue.add("", "")  # wake the worker
+        for pool in (self.event_pool, self.resync_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def reconcile_body(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        if meta.get("deletionTimestamp"):
+            return
+        try:
+            patch = run_one(
+                self.kube,
+                meta=meta,
+                spec=obj.get("spec") or {},
+                status=obj.get("status") or {},
+                default_image=self.default_image,
+                logger=self.logger,
+            )
+            if patch:
+                self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], patch)
+        except Exception:  # one broken object must not stop the others
+            self.logger.exception(
+                "reconcile of %s/%s failed", meta.get("namespace"), meta.get("name")
+            )
+
+    def _map(self, pool: ThreadPoolExecutor, fn: Callable[[Any], None], items: list[Any]) -> None:
+        if not self.stop.is_set():
+            list(pool.map(fn, items))
+
+    def _requeue_loop(self) -> None:
+        while not self.stop.is_set():
+            if not self.requeue.wait(1.0):
+                continue
+            self.stop.wait(COALESCE_S)  # let a burst of child events collapse into one key
+            keys = [k for k in self.requeue.drain() if k[1]]
+
+            def fetch_and_reconcile(key: tuple[str, str]) -> None:
+                try:
+                    obj = self.kube.get(models.KIND, *key)
+                except Exception:
+                    self.logger.exception("fetching %s/%s failed", *key)
+                    return
+                if obj is not None:
+                    self.reconcile_body(obj)
+
+            self._map(self.event_pool, fetch_and_reconcile, keys)
+
+    def _resync_loop(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                items: list[dict[str, Any]] = []
+                base = f"/apis/{models.GROUP}/{models.VERSION}"
+                paths = [f"{base}/namespaces/{ns}/{models.PLURAL}" for ns in self.namespaces]
+                for path in paths or [f"{base}/{models.PLURAL}"]:
+                    items += self.kube.request("GET", path).get("items", [])
+                # Objects an event reconciled within the interval are fresh already.
+                stale = [
+                    o
+                    for o in items
+                    if seconds_since_reconcile(o["metadata"]["uid"]) >= self.interval
+                ]
+                self._map(self.resync_pool, self.reconcile_body, stale)
+            except Exception:
+                self.logger.exception("periodic reconcile pass failed")

@@ -1,0 +1,153 @@
+"""Pure builders: spec (+ a few observed facts) -> the child manifests to apply.
+
+`plan()` is the whole desired state of one AtomDeployment. It is pure so the rollout rules are
+unit-tested: which revision the router points at, which old revisions are kept, which Deployments
+wait for a warm-up Job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from atom_operator import naming, runtime_args
+from atom_operator.builders.cache import build_pvc, build_warmup_job
+from atom_operator.builders.common import Owner
+from atom_operator.builders.router import build_router_deployment, router_args
+from atom_operator.builders.runtime import (
+    build_config_map,
+    build_endpoint_service,
+    build_role_deployment,
+    build_role_service,
+    claim_name,
+    pod_template,
+)
+from atom_operator.models import AtomDeploymentSpec
+from atom_operator.snapshot import Snapshot, deployment_complete, job_state, router_revision
+
+__all__ = ["Owner", "Plan", "plan", "revision_of", "cache_keys"]
+
+
+@dataclass
+class Plan:
+    apply: list[dict[str, Any]] = field(default_factory=list)
+    keep: set[tuple[str, str]] = field(default_factory=set)  # (kind, name) not to garbage-collect
+    revision: str = ""
+    serving_revision: str | None = None
+    cache_keys: dict[str, str] = field(default_factory=dict)
+    claim_name: str | None = None
+    warmup_jobs: dict[str, str] = field(default_factory=dict)  # cache key -> Job name
+    waiting_for_warmup: list[str] = field(default_factory=list)  # roles held back
+    endpoint: str = ""
+
+    def add(self, obj: dict[str, Any] | None) -> None:
+        if obj is not None:
+            self.apply.append(obj)
+            self.keep.add((obj["kind"], obj["metadata"]["name"]))
+
+
+def cache_keys(spec: AtomDeploymentSpec, image: str) -> dict[str, str]:
+    return {role: runtime_args.cache_key(spec, role, image) for role in runtime_args.roles(spec)}
+
+
+def _templates(
+    owner: Owner, spec: AtomDeploymentSpec, image: str, keys: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    return {
+        role: pod_template(owner, spec, role, image, keys[role])
+        for role in runtime_args.roles(spec)
+    }
+
+
+def revision_of(templates: dict[str, dict[str, Any]]) -> str:
+    """Hash of the runtime pod templates (replicas are not in them); prefill and decode share
+    one revision, so they roll together."""
+    return naming.digest(templates, 10)
+
+
+def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot) -> Plan:
+    keys = cache_keys(spec, image)
+    templates = _templates(owner, spec, image, keys)
+    rev = revision_of(templates)
+    out = Plan(revision=rev, cache_keys=keys, claim_name=claim_name(owner, spec))
+    out.endpoint = naming.service_url(owner.name, owner.namespace, naming.UNIFIED, None)
+
+    out.add(build_pvc(owner, spec))
+    warm = _plan_warmup(out, owner, spec, image, keys, observed)
+
+    if spec.disaggregation is None:
+        name = naming.role_deployment_name(owner.name, naming.UNIFIED, None)
+        out.keep.add(("Deployment", name))
+        if warm[naming.UNIFIED]:
+            out.add(
+                build_role_deployment(owner, spec, naming.UNIFIED, templates[naming.UNIFIED], rev)
+            )
+        else:
+            out.waiting_for_warmup.append(naming.UNIFIED)
+        out.serving_revision = rev
+        router = None
+    else:
+        router = _plan_disaggregated(out, owner, spec, image, templates, warm, observed)
+    out.add(build_endpoint_service(owner, spec))
+    out.add(build_config_map(owner, spec, image, keys, rev, router))
+    return out
+
+
+def _plan_warmup(
+    out: Plan,
+    owner: Owner,
+    spec: AtomDeploymentSpec,
+    image: str,
+    keys: dict[str, str],
+    observed: Snapshot,
+) -> dict[str, bool]:
+    """One warm-up Job per distinct cache key; a role is 'warm' once its Job completed."""
+    warm = {role: True for role in keys}
+    if not (spec.compile_cache.enabled and spec.compile_cache.warmup):
+        return warm
+    for role, key in keys.items():
+        if key not in out.warmup_jobs:
+            job = build_warmup_job(owner, spec, role, image, key)
+            out.warmup_jobs[key] = job["metadata"]["name"]
+            out.add(job)
+        warm[role] = job_state(observed.job(out.warmup_jobs[key])) == "Complete"
+    return warm
+
+
+def _plan_disaggregated(
+    out: Plan,
+    owner: Owner,
+    spec: AtomDeploymentSpec,
+    image: str,
+    templates: dict[str, dict[str, Any]],
+    warm: dict[str, bool],
+    observed: Snapshot,
+) -> list[str]:
+    """New revision's roles come up beside the serving ones; the router moves only when both
+    new roles are fully ready; the old revision goes once the router has moved."""
+    rev = out.revision
+    roles = (naming.PREFILL, naming.DECODE)
+    if all(warm[r] for r in roles):
+        for role in roles:
+            out.add(build_role_deployment(owner, spec, role, templates[role], rev))
+            out.add(build_role_service(owner, role, rev))
+    else:
+        out.waiting_for_warmup.extend(r for r in roles if not warm[r])
+    serving = router_revision(observed, owner.name)
+    new_ready = all(
+        deployment_complete(observed.deployment(naming.role_deployment_name(owner.name, r, rev)))
+        for r in roles
+    )
+    target = rev if serving in (None, rev) or new_ready else serving
+    router_dep = observed.deployment(naming.role_deployment_name(owner.name, naming.ROUTER, None))
+    router_settled = serving == target and deployment_complete(router_dep)
+    keep_revisions = {rev, target}
+    if serving and not router_settled:
+        keep_revisions.add(serving)  # the router may still have pods pointing there
+    for keep_rev in keep_revisions:
+        for role in roles:
+            out.keep.add(("Deployment", naming.role_deployment_name(owner.name, role, keep_rev)))
+            out.keep.add(("Service", naming.role_service_name(owner.name, role, keep_rev)))
+    out.add(build_router_deployment(owner, spec, image, target))
+    out.serving_revision = target
+    return router_args(owner, target)

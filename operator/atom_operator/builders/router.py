@@ -1,0 +1,69 @@
+"""The router Deployment that pairs prefill and decode pods of one revision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom_operator import naming
+from atom_operator.builders.common import Owner, metadata
+from atom_operator.builders.runtime import container_security_context, pod_security_context
+from atom_operator.models import AtomDeploymentSpec
+
+
+def router_args(owner: Owner, revision: str) -> list[str]:
+    return [
+        "--prefill",
+        naming.service_url(owner.name, owner.namespace, naming.PREFILL, revision),
+        "--decode",
+        naming.service_url(owner.name, owner.namespace, naming.DECODE, revision),
+        "--port",
+        str(naming.HTTP_PORT),
+    ]
+
+
+def build_router_deployment(
+    owner: Owner, spec: AtomDeploymentSpec, image: str, serving_revision: str
+) -> dict[str, Any]:
+    """Router pinned to `serving_revision`; switching revision rolls the router (maxUnavailable 0)."""
+    assert spec.disaggregation is not None
+    router = spec.disaggregation.router
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": image,
+        "command": ["atom-router"],
+        "args": router_args(owner, serving_revision),
+        "ports": [{"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "securityContext": container_security_context(),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+    }
+    if router.resources is not None:
+        container["resources"] = router.resources
+    labels = naming.labels(owner.name, "router", naming.ROUTER, serving_revision)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(
+            owner,
+            naming.role_deployment_name(owner.name, naming.ROUTER, None),
+            labels,
+            annotations={naming.ANNOTATION_SERVING: serving_revision},
+        ),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": naming.selector_labels(owner.name, naming.ROUTER)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "securityContext": pod_security_context(),
+                    "containers": [container],
+                    "enableServiceLinks": False,
+                },
+            },
+        },
+    }

@@ -1,0 +1,250 @@
+"""Runtime pods: pod template, Deployment and Services of a role, the flags ConfigMap."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from atom_operator import naming, runtime_args
+from atom_operator.builders.common import Owner, metadata
+from atom_operator.models import AtomDeploymentSpec
+
+DEFAULT_RESOURCES: dict[str, Any] = {"limits": {"nvidia.com/gpu": 1}}
+RUNTIME_UID = 1000
+PROBE_PERIOD_S = 10
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def role_resources(spec: AtomDeploymentSpec, role: str) -> dict[str, Any]:
+    if spec.disaggregation is not None and role in (naming.PREFILL, naming.DECODE):
+        own = getattr(spec.disaggregation, role).resources
+        if own is not None:
+            return own
+    return spec.resources if spec.resources is not None else DEFAULT_RESOURCES
+
+
+def cache_dir(spec: AtomDeploymentSpec, key: str) -> str | None:
+    return f"{naming.CACHE_MOUNT}/{key}" if spec.compile_cache.enabled else None
+
+
+def claim_name(owner: Owner, spec: AtomDeploymentSpec) -> str | None:
+    if not spec.compile_cache.enabled:
+        return None
+    return spec.compile_cache.existing_claim or naming.pvc_name(owner.name)
+
+
+def runtime_container(
+    spec: AtomDeploymentSpec, role: str, image: str, key: str, *, command: str = "serve"
+) -> dict[str, Any]:
+    """The runtime container; `warmup` gets the same flags and no probes."""
+    args = runtime_args.render_args(spec, role, cache_dir=cache_dir(spec, key), command=command)
+    ports = [{"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"}]
+    if role in (naming.PREFILL, naming.DECODE):
+        ports.append({"name": "kv", "containerPort": naming.KV_PORT, "protocol": "TCP"})
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.compile_cache.enabled:
+        mounts.append({"name": "compile-cache", "mountPath": naming.CACHE_MOUNT})
+    if spec.model.volume is not None:
+        mounts.append({"name": "model", "mountPath": naming.MODEL_MOUNT, "readOnly": True})
+    env = [{"name": "HOME", "value": "/tmp"}, *(spec.env or [])]  # arbitrary non-root uid
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": image,
+        "command": ["atom-runtime"],
+        "args": args,
+        "ports": ports,
+        "env": env,
+        "resources": role_resources(spec, role),
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+    }
+    if command == "serve":
+        budget = runtime_args.startup_budget_seconds(spec, role)
+        # /health is 503 until compile + capture finish: the startup probe waits that long,
+        # then readiness keeps traffic off a pod that stops serving.
+        container["startupProbe"] = {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": math.ceil(budget / PROBE_PERIOD_S),
+            "timeoutSeconds": 5,
+        }
+        container["readinessProbe"] = {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+            "timeoutSeconds": 5,
+        }
+    return container
+
+
+def pod_volumes(owner: Owner, spec: AtomDeploymentSpec) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    claim = claim_name(owner, spec)
+    if claim:
+        volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": claim}})
+    if spec.model.volume is not None:
+        volumes.append({"name": "model", **spec.model.volume})
+    return volumes
+
+
+def pod_spec(
+    owner: Owner,
+    spec: AtomDeploymentSpec,
+    role: str,
+    image: str,
+    key: str,
+    *,
+    command: str = "serve",
+) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "securityContext": pod_security_context(),
+        "containers": [runtime_container(spec, role, image, key, command=command)],
+        "volumes": pod_volumes(owner, spec),
+        "terminationGracePeriodSeconds": 30,
+        "enableServiceLinks": False,
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = spec.node_selector
+    if spec.tolerations:
+        pod["tolerations"] = spec.tolerations
+    if spec.affinity:
+        pod["affinity"] = spec.affinity
+    return pod
+
+
+def pod_template(
+    owner: Owner, spec: AtomDeploymentSpec, role: str, image: str, key: str
+) -> dict[str, Any]:
+    """The role's pod template without the revision label (the revision is its hash)."""
+    annotations = {naming.ANNOTATION_CACHE_KEY: key}
+    if spec.restart_id:
+        annotations[naming.ANNOTATION_RESTART_ID] = spec.restart_id
+    return {
+        "metadata": {
+            "labels": naming.labels(owner.name, "runtime", role),
+            "annotations": annotations,
+        },
+        "spec": pod_spec(owner, spec, role, image, key),
+    }
+
+
+def with_revision(template: dict[str, Any], revision: str) -> dict[str, Any]:
+    labels = {**template["metadata"]["labels"], naming.LABEL_REVISION: revision}
+    return {**template, "metadata": {**template["metadata"], "labels": labels}}
+
+
+def build_role_deployment(
+    owner: Owner,
+    spec: AtomDeploymentSpec,
+    role: str,
+    template: dict[str, Any],
+    revision: str,
+) -> dict[str, Any]:
+    """Unified: one Deployment rolled in place. Prefill/decode: one Deployment per revision."""
+    per_revision = role in (naming.PREFILL, naming.DECODE)
+    selector = naming.selector_labels(owner.name, role, revision if per_revision else None)
+    budget = runtime_args.startup_budget_seconds(spec, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(
+            owner,
+            naming.role_deployment_name(owner.name, role, revision),
+            naming.labels(owner.name, "runtime", role, revision),
+            annotations={
+                naming.ANNOTATION_CACHE_KEY: template["metadata"]["annotations"][
+                    naming.ANNOTATION_CACHE_KEY
+                ]
+            },
+        ),
+        "spec": {
+            "replicas": runtime_args.role_replicas(spec, role),
+            "selector": {"matchLabels": selector},
+            # New pods must pass /health (compiled and captured) before an old one goes.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "progressDeadlineSeconds": budget + 300,
+            "revisionHistoryLimit": 3,
+            "template": with_revision(template, revision),
+        },
+    }
+
+
+def build_role_service(owner: Owner, role: str, revision: str) -> dict[str, Any]:
+    """Per-revision Service of a disaggregated role: the router targets exactly one revision."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(
+            owner,
+            naming.role_service_name(owner.name, role, revision),
+            naming.labels(owner.name, "runtime", role, revision),
+        ),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector_labels(owner.name, role, revision),
+            "ports": [
+                {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "kv", "port": naming.KV_PORT, "targetPort": "kv", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_endpoint_service(owner: Owner, spec: AtomDeploymentSpec) -> dict[str, Any]:
+    """The Service clients use: unified pods, or the router when disaggregated."""
+    role = naming.ROUTER if spec.disaggregation else naming.UNIFIED
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, owner.name, naming.labels(owner.name, "endpoint", role)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector_labels(owner.name, role),
+            "ports": [
+                {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def build_config_map(
+    owner: Owner,
+    spec: AtomDeploymentSpec,
+    image: str,
+    keys: dict[str, str],
+    revision: str,
+    router_args: list[str] | None,
+) -> dict[str, Any]:
+    """The rendered runtime flags per role, for people and tools to read (`kubectl get cm`)."""
+    data = {"revision": revision, "image": image}
+    for role, key in keys.items():
+        data[f"{role}.args"] = runtime_args.command_line(
+            runtime_args.render_args(spec, role, cache_dir=cache_dir(spec, key))
+        )
+        data[f"{role}.cache-key"] = key
+    if router_args is not None:
+        data["router.args"] = " ".join(["atom-router", *router_args])
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(
+            owner, naming.config_map_name(owner.name), naming.labels(owner.name, "config")
+        ),
+        "data": data,
+    }

@@ -1,0 +1,88 @@
+"""Where provisioned binaries live, and the stamps that make a second install a no-op."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import versions
+
+STAMP = ".installed.json"
+
+
+def cache_dir() -> Path:
+    """$ATOM_CACHE_DIR, else ~/.cache/atom (outside the repository, shared by clones)."""
+    env = os.environ.get("ATOM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "atom"
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    version: str
+    binaries: tuple[str, ...]
+
+    @property
+    def bin_dir(self) -> Path:
+        return cache_dir() / "bin" / f"{self.name}-{self.version}"
+
+    @property
+    def build_dir(self) -> Path:
+        return cache_dir() / "build" / f"{self.name}-{self.version}"
+
+    def path(self, binary: str | None = None) -> Path:
+        return self.bin_dir / (binary or self.binaries[0])
+
+    def is_installed(self) -> bool:
+        """True when the stamp matches the version and every binary is present unchanged."""
+        try:
+            stamp = json.loads((self.bin_dir / STAMP).read_text())
+        except (OSError, ValueError):
+            return False
+        if stamp.get("version") != self.version:
+            return False
+        sizes = stamp.get("binaries", {})
+        for name in self.binaries:
+            path = self.path(name)
+            if not os.access(path, os.X_OK) or sizes.get(name) != path.stat().st_size:
+                return False
+        return True
+
+    def write_stamp(self, reported: dict[str, str]) -> None:
+        stamp = {
+            "version": self.version,
+            "binaries": {name: self.path(name).stat().st_size for name in self.binaries},
+            "reported": reported,
+        }
+        (self.bin_dir / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+
+
+ETCD = Component("etcd", versions.ETCD, ("etcd",))
+KUBERNETES = Component(
+    "kubernetes",
+    versions.KUBERNETES,
+    ("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
+)
+KUBECTL = Component("kubectl", versions.KUBERNETES, ("kubectl",))
+KWOK = Component("kwok", versions.KWOK, ("kwok",))
+HELM = Component("helm", versions.HELM, ("helm",))
+
+COMPONENTS: dict[str, Component] = {
+    c.name: c for c in (ETCD, KUBERNETES, KUBECTL, KWOK, HELM)
+}
+
+
+def kwok_stages_dir() -> Path:
+    """The kwok Stage manifests copied from the kwok module (the bare binary has none)."""
+    return KWOK.bin_dir / "stages"
+
+
+def bin_path() -> list[Path]:
+    """Every component's bin directory, for PATH."""
+    return [c.bin_dir for c in COMPONENTS.values()]
+
+
+def missing() -> list[str]:
+    return [name for name, c in COMPONENTS.items() if not c.is_installed()]

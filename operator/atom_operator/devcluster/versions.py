@@ -1,0 +1,25 @@
+"""Pinned versions of the control-plane binaries: the one place to change them."""
+
+from __future__ import annotations
+
+# Kubernetes: kube-apiserver, kube-controller-manager, kube-scheduler and kubectl share it.
+KUBERNETES = "v1.36.3"
+# The version the Kubernetes release pins in its go.mod (go.etcd.io/etcd/server/v3).
+ETCD = "v3.6.8"
+KWOK = "v0.8.0"
+HELM = "v3.22.0"
+# Oldest Go that builds all of the above (their go.mod files say go 1.26.0).
+MIN_GO = (1, 26)
+
+
+def kube_minor(version: str = KUBERNETES) -> tuple[str, str]:
+    """("1", "36") for "v1.36.3"."""
+    major, minor, *_ = version.lstrip("v").split(".")
+    return major, minor
+
+
+def staging_version(version: str = KUBERNETES) -> str:
+    """The published k8s.io/<staging module> version of a Kubernetes release: v1.36.3 -> v0.36.3."""
+    _, minor = kube_minor(version)
+    patch = version.lstrip("v").split(".")[2]
+    return f"v0.{minor}.{patch}"

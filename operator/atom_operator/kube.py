@@ -1,0 +1,158 @@
+"""A small synchronous Kubernetes client over plain dicts: server-side apply, list, delete.
+
+The typed clients return generated model objects; the operator's builders produce plain dicts,
+so a thin layer over `kubernetes.client.ApiClient` keeps both sides in one shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes import client, config
+
+FIELD_MANAGER = "atom-operator"
+
+# kind -> (api prefix, plural); every child kind the operator touches.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    "AtomDeployment": ("/apis/atom.dev/v1alpha1", "atomdeployments"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        self.status = status
+        self.body = body
+        try:
+            self.message = json.loads(body).get("message", body)
+        except (ValueError, AttributeError):
+            self.message = body
+        super().__init__(f"HTTP {status}: {self.message}")
+
+
+@dataclass
+class Kube:
+    api: client.ApiClient
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster config when running in a pod, else $KUBECONFIG."""
+        configuration = client.Configuration()
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            config.load_kube_config(client_configuration=configuration)
+        return cls._client(configuration)
+
+    @staticmethod
+    def _client(configuration: client.Configuration) -> Kube:
+        configuration.connection_pool_maxsize = 32  # handler threads + the resync pool
+        return Kube(client.ApiClient(configuration))
+
+    @classmethod
+    def from_kubeconfig(cls, path: str) -> Kube:
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=str(path), client_configuration=configuration)
+        return cls._client(configuration)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        _, url, headers, body, _ = self.api.param_serialize(
+            method,
+            path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(
+            method, url, header_params=headers, body=body, _request_timeout=30
+        )
+        data = response.read()
+        text = data.decode() if isinstance(data, bytes) else str(data or "")
+        if not 200 <= response.status < 300:
+            raise ApiError(response.status, text)
+        return json.loads(text) if text else {}
+
+    @staticmethod
+    def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        prefix, plural = RESOURCES[kind]
+        path = f"{prefix}/namespaces/{namespace}/{plural}"
+        if name:
+            path += f"/{quote(name)}"
+        if sub:
+            path += f"/{sub}"
+        return path
+
+    def apply(
+        self, obj: dict[str, Any], *, force: bool = True, manager: str = FIELD_MANAGER
+    ) -> dict[str, Any]:
+        """Server-side apply, by default under the operator's single field manager."""
+        meta = obj["metadata"]
+        query = [("fieldManager", manager)]
+        if force:
+            query.append(("force", "true"))
+        return self.request(
+            "PATCH",
+            self.path(obj["kind"], meta["namespace"], meta["name"]),
+            query=query,
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", self.path(kind, namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        data = self.request("GET", self.path(kind, namespace), query=[("labelSelector", selector)])
+        items = data.get("items", [])
+        for item in items:  # list items carry no kind
+            item.setdefault("kind", kind)
+        return items
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete with background propagation (children of Deployments/Jobs go too)."""
+        try:
+            self.request(
+                "DELETE",
+                self.path(kind, namespace, name),
+                body={
+                    "kind": "DeleteOptions",
+                    "apiVersion": "v1",
+                    "propagationPolicy": "Background",
+                },
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.request(
+            "PATCH",
+            self.path(kind, namespace, name, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )

@@ -1,0 +1,391 @@
+"""AtomDeployment spec and status: the single source of truth for the CRD schema.
+
+`crdgen` turns these models into the OpenAPI v3 schema of `crds/atomdeployment.yaml`; the
+operator parses the (API-server validated and defaulted) spec back into them. Cross-field rules
+live here as CEL (`x-kubernetes-validations`) so the API server refuses bad manifests itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "atom.dev"
+VERSION = "v1alpha1"
+KIND = "AtomDeployment"
+PLURAL = "atomdeployments"
+SINGULAR = "atomdeployment"
+SHORT_NAMES = ["atomd"]
+
+GraphMode = Literal["NONE", "TR_HYBRID", "FULL", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
+GRAPH_MODES: tuple[str, ...] = GraphMode.__args__  # type: ignore[attr-defined]
+Level = Literal[0, 1, 2, 3]
+LoadFormat = Literal["auto", "safetensors", "dummy"]
+Dtype = Literal["bfloat16", "float16", "float32", "auto"]
+AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
+
+MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
+DEFAULT_MAX_NUM_SEQS = 512  # the runtime's default (atom.cli.args)
+
+# Kubernetes-native sub-objects (volume source, resources, ...) are passed through untouched.
+_OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
+
+
+def _opaque_object(description: str) -> Any:
+    return Field(default=None, description=description, json_schema_extra=_OPAQUE)
+
+
+def _sizes_rule(path: str) -> dict[str, str]:
+    """CEL: every capture size of `path` is at most engine.maxNumSeqs (defaults applied)."""
+    parts = path.split(".")
+    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    max_seqs = f"(has(self.engine) && has(self.engine.maxNumSeqs) ? self.engine.maxNumSeqs : {DEFAULT_MAX_NUM_SEQS})"
+    return {
+        "rule": f"!({guards}) || self.{path}.all(s, s <= {max_seqs})",
+        "message": f"every size in {path} must be at most engine.maxNumSeqs",
+        "fieldPath": f".{path}",
+        "reason": "FieldValueInvalid",
+    }
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class ModelSource(_Base):
+    """Which model the runtime serves and where its weights come from."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.name) || has(self.path)",
+                    "message": "model.name or model.path is required",
+                }
+            ]
+        }
+    )
+
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Model name: a built-in shape (for example llama-3.2-1b) or the name clients use "
+        "when path is set (--served-model-name).",
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="Directory inside the container with config.json and safetensors weights "
+        "(typically under /models, where volume is mounted). Passed as --model.",
+    )
+    load_format: LoadFormat = Field(
+        default="auto",
+        description="Weight format: auto, safetensors, or dummy (random weights, no files).",
+    )
+    dtype: Dtype = Field(default="bfloat16", description="Model dtype (--dtype).")
+    volume: dict[str, Any] | None = _opaque_object(
+        "Any PodSpec volume source (for example persistentVolumeClaim or hostPath) holding the "
+        "weights; mounted read-only at /models."
+    )
+
+
+class EngineSpec(_Base):
+    """Engine shape: batch and context limits shared by every role."""
+
+    max_num_seqs: int = Field(
+        default=DEFAULT_MAX_NUM_SEQS,
+        ge=1,
+        le=65536,
+        description="Maximum concurrent sequences per pod (--max-num-seqs); capture sizes may not exceed it.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        le=1048576,
+        description="Maximum context length in tokens (--max-model-len).",
+    )
+    enforce_eager: bool = Field(
+        default=False,
+        description="Never replay CUDA graphs (--enforce-eager); compilation still applies.",
+    )
+
+
+def _level_field(default: int | None) -> Any:
+    return Field(
+        default=default,
+        description="torch.compile level: 0 none, 1 Dynamo as is, 2 Dynamo once (Inductor), "
+        "3 piecewise (production default).",
+    )
+
+
+def _mode_field() -> Any:
+    return Field(
+        default=None,
+        description="CUDA graph mode: NONE, TR_HYBRID (token graphs), FULL (request graphs), "
+        "FULL_DECODE_ONLY, FULL_AND_TR_HYBRID. Independent of level. Unset: the runtime's default "
+        "(TR_HYBRID at level 3); the decode role defaults to FULL_DECODE_ONLY.",
+    )
+
+
+class CompilationOverride(_Base):
+    """Compilation settings of one role; fields left unset inherit spec.compilation."""
+
+    level: Level | None = _level_field(None)
+    cudagraph_mode: GraphMode | None = _mode_field()
+    cudagraph_capture_sizes: list[int] | None = Field(
+        default=None,
+        max_length=MAX_CAPTURE_SIZES,
+        description="Explicit batch sizes to capture (unique, 1..engine.maxNumSeqs); overrides "
+        "cudaGraphSizes. Accepted and ignored when the mode is NONE.",
+        json_schema_extra={
+            "items": {"type": "integer", "minimum": 1},
+            "x-kubernetes-list-type": "set",
+        },
+    )
+    cuda_graph_sizes: list[int] | None = Field(
+        default=None,
+        max_length=MAX_CAPTURE_SIZES,
+        description="One value N generates [1..8] + range(16, N+1, 16); several values are used as is.",
+        json_schema_extra={"items": {"type": "integer", "minimum": 1}},
+    )
+    splitting_ops: list[str] | None = Field(
+        default=None,
+        max_length=64,
+        description="Ops that split the graph for piecewise compilation (level 3).",
+        json_schema_extra={"items": {"type": "string", "minLength": 1, "maxLength": 256}},
+    )
+    compile_sizes: list[int | str] | None = Field(
+        default=None,
+        max_length=MAX_CAPTURE_SIZES,
+        description="Shapes compiled specially by Inductor; the string cudagraph_capture_sizes "
+        "means every capture size.",
+    )
+    use_inductor: bool | None = Field(default=None, description="Compile pieces with Inductor.")
+    inductor_compile_config: dict[str, Any] | None = _opaque_object(
+        "Extra Inductor options (for example max_autotune)."
+    )
+
+
+class Compilation(CompilationOverride):
+    """Compilation and CUDA graph settings shared by every role."""
+
+    level: Level = _level_field(3)
+    use_inductor: bool = Field(default=True, description="Compile pieces with Inductor.")
+
+
+class CompileCacheSpec(_Base):
+    """The compile-cache volume: compiled artifacts reused across pods and restarts."""
+
+    enabled: bool = Field(default=True, description="Mount a compile-cache volume.")
+    size: str = Field(
+        default="20Gi",
+        pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
+        description="Requested size of the claim the operator creates.",
+    )
+    storage_class_name: str | None = Field(
+        default=None, description="Storage class of the created claim."
+    )
+    access_modes: list[AccessMode] = Field(
+        default_factory=lambda: ["ReadWriteMany"],
+        min_length=1,
+        description="Access modes of the created claim (several pods share one cache).",
+        json_schema_extra={"default": ["ReadWriteMany"]},
+    )
+    existing_claim: str | None = Field(
+        default=None, min_length=1, description="Use this existing claim instead of creating one."
+    )
+    retain_on_delete: bool = Field(
+        default=True, description="Keep the created claim when the AtomDeployment is deleted."
+    )
+    warmup: bool = Field(
+        default=False,
+        description="Run a warm-up Job (atom-runtime warmup) that fills the cache before serving pods roll.",
+    )
+
+
+class RoleSpec(_Base):
+    """One disaggregated role."""
+
+    replicas: int = Field(default=1, ge=0, description="Pods of this role.")
+    compilation: CompilationOverride | None = Field(
+        default=None, description="Overrides of spec.compilation for this role."
+    )
+    resources: dict[str, Any] | None = _opaque_object(
+        "Container resources of this role (default: spec.resources)."
+    )
+
+
+class RouterSpec(_Base):
+    """The router that pairs prefill and decode pods of one revision."""
+
+    replicas: int = Field(default=1, ge=0, description="Router pods.")
+    resources: dict[str, Any] | None = _opaque_object("Container resources of the router.")
+
+
+class Disaggregation(_Base):
+    """Prefill and decode roles behind a router (replaces spec.replicas)."""
+
+    prefill: RoleSpec = Field(description="The prefill role.")
+    decode: RoleSpec = Field(
+        description="The decode role (graph mode defaults to FULL_DECODE_ONLY)."
+    )
+    router: RouterSpec = Field(
+        default_factory=RouterSpec, description="The router.", json_schema_extra={"default": {}}
+    )
+
+
+class AtomDeploymentSpec(_Base):
+    """Desired state of an ATOM model server."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.replicas) && has(self.disaggregation))",
+                    "message": "replicas and disaggregation are mutually exclusive: set "
+                    "disaggregation.prefill.replicas and disaggregation.decode.replicas instead",
+                    "fieldPath": ".replicas",
+                    "reason": "FieldValueForbidden",
+                },
+                _sizes_rule("compilation.cudagraphCaptureSizes"),
+                _sizes_rule("disaggregation.prefill.compilation.cudagraphCaptureSizes"),
+                _sizes_rule("disaggregation.decode.compilation.cudagraphCaptureSizes"),
+            ]
+        }
+    )
+
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Runtime image (default: the operator's ATOM_OPERATOR_DEFAULT_IMAGE).",
+    )
+    model: ModelSource = Field(description="The model to serve.")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, description="Engine limits.", json_schema_extra={"default": {}}
+    )
+    compilation: Compilation = Field(
+        default_factory=Compilation,
+        description="Compilation level and CUDA graph settings.",
+        json_schema_extra={"default": {}},
+    )
+    compile_cache: CompileCacheSpec = Field(
+        default_factory=CompileCacheSpec,
+        description="Compile-cache volume.",
+        json_schema_extra={"default": {}},
+    )
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="Pods of the unified role (default 1). Not allowed together with disaggregation.",
+    )
+    disaggregation: Disaggregation | None = Field(
+        default=None,
+        description="Run prefill and decode roles behind a router instead of one unified role.",
+    )
+    resources: dict[str, Any] | None = _opaque_object(
+        "Container resources of runtime pods (default: one nvidia.com/gpu)."
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Node selector of runtime pods."
+    )
+    tolerations: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Tolerations of runtime pods.",
+        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
+    )
+    affinity: dict[str, Any] | None = _opaque_object("Affinity of runtime pods.")
+    env: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Extra environment variables (EnvVar objects) of runtime pods.",
+        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
+    )
+    restart_id: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Change to roll every pod (a Git-friendly rollout restart).",
+    )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.disaggregation is not None
+
+
+class Condition(_Base):
+    """A standard condition."""
+
+    type: str = Field(description="Ready, Progressing, Degraded or CompileCacheReady.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed.")
+    observed_generation: int | None = Field(
+        default=None, description="Generation this condition describes."
+    )
+
+
+class RoleStatus(_Base):
+    """Observed pods of one role."""
+
+    replicas: int = Field(default=0, description="Desired pods.")
+    ready_replicas: int = Field(default=0, description="Pods ready (passed /health).")
+    updated_replicas: int = Field(default=0, description="Pods at the current revision.")
+    revision: str | None = Field(default=None, description="Revision these pods serve.")
+
+
+class CompileCacheStatus(_Base):
+    """Where compiled artifacts go."""
+
+    key: str | None = Field(
+        default=None, description="Compile-cache key (role:key pairs when roles differ)."
+    )
+    keys: dict[str, str] | None = Field(default=None, description="Compile-cache key per role.")
+    claim_name: str | None = Field(
+        default=None, description="PersistentVolumeClaim holding the cache."
+    )
+
+
+class AtomDeploymentStatus(_Base):
+    """Observed state, written by the operator through the status subresource only."""
+
+    observed_generation: int | None = Field(default=None, description="Generation last reconciled.")
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = Field(
+        default=None, description="Summary: Pending, Progressing, Ready or Degraded."
+    )
+    conditions: list[Condition] | None = Field(
+        default=None,
+        description="Ready, Progressing, Degraded, CompileCacheReady.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    roles: dict[str, RoleStatus] | None = Field(
+        default=None, description="Per role: unified, prefill, decode, router."
+    )
+    compile_cache: CompileCacheStatus | None = Field(
+        default=None, description="Compile cache in use."
+    )
+    revision: str | None = Field(default=None, description="Revision of the current spec.")
+    serving_revision: str | None = Field(
+        default=None, description="Revision the endpoint routes to."
+    )
+    endpoint: str | None = Field(
+        default=None, description="In-cluster URL of the OpenAI-compatible API."
+    )
+    graph_mode: str | None = Field(default=None, description="Effective graph mode per role.")
+    ready: str | None = Field(default=None, description="Ready roles / roles.")
+    replicas: int | None = Field(default=None, description="Unified pods (scale subresource).")
+    selector: str | None = Field(
+        default=None, description="Label selector of unified pods (scale subresource)."
+    )
+    kopf: dict[str, Any] | None = _opaque_object("Operator framework bookkeeping.")
+
+
+class AtomDeployment(_Base):
+    """An ATOM model server: runtime pods compiled and captured as specified."""
+
+    api_version: str = Field(default=f"{GROUP}/{VERSION}", description="atom.dev/v1alpha1")
+    kind: str = Field(default=KIND, description="AtomDeployment")
+    spec: AtomDeploymentSpec
+    status: AtomDeploymentStatus | None = None

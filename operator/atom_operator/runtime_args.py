@@ -1,0 +1,150 @@
+"""Effective per-role settings and the runtime command line (DESIGN.md's contract).
+
+Pure functions of the spec. `atom.cli.args.build_parser()` parses every rendered line
+(tests/operator/test_runtime_args.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from atom_operator import naming
+from atom_operator.models import AtomDeploymentSpec, Compilation, CompilationOverride
+
+DEFAULT_CUDA_GRAPH_SIZES = [512]
+
+
+def roles(spec: AtomDeploymentSpec) -> list[str]:
+    """Runtime roles (the router is not a runtime role)."""
+    return [naming.PREFILL, naming.DECODE] if spec.disaggregation else [naming.UNIFIED]
+
+
+def role_replicas(spec: AtomDeploymentSpec, role: str) -> int:
+    if spec.disaggregation is None:
+        return 1 if spec.replicas is None else spec.replicas
+    if role == naming.ROUTER:
+        return spec.disaggregation.router.replicas
+    return getattr(spec.disaggregation, role).replicas
+
+
+def effective_compilation(spec: AtomDeploymentSpec, role: str) -> Compilation:
+    """The shared compilation with the role's overrides; decode defaults to FULL_DECODE_ONLY."""
+    merged = spec.compilation.model_dump()
+    override: CompilationOverride | None = None
+    if spec.disaggregation is not None and role in (naming.PREFILL, naming.DECODE):
+        override = getattr(spec.disaggregation, role).compilation
+        if role == naming.DECODE:
+            merged["cudagraph_mode"] = "FULL_DECODE_ONLY"
+    if override is not None:
+        merged.update(override.model_dump(exclude_none=True))
+    return Compilation(**merged)
+
+
+def graph_mode(spec: AtomDeploymentSpec, comp: Compilation) -> str:
+    """The mode the runtime will run: unset means its level-3 default (TR_HYBRID), else NONE."""
+    if spec.engine.enforce_eager:
+        return "NONE"
+    if comp.cudagraph_mode:
+        return comp.cudagraph_mode
+    return "TR_HYBRID" if comp.level == 3 else "NONE"
+
+
+def capture_sizes(spec: AtomDeploymentSpec, comp: Compilation) -> list[int]:
+    """Batch sizes the pod will capture (the guide's rule); none when no graph mode."""
+    if graph_mode(spec, comp) == "NONE":
+        return []
+    if comp.cudagraph_capture_sizes:
+        sizes = comp.cudagraph_capture_sizes
+    else:
+        base = comp.cuda_graph_sizes or DEFAULT_CUDA_GRAPH_SIZES
+        sizes = list(range(1, 9)) + list(range(16, base[0] + 1, 16)) if len(base) == 1 else base
+    return sorted({s for s in sizes if s <= spec.engine.max_num_seqs})
+
+
+def _compilation_config_json(comp: Compilation) -> dict[str, Any]:
+    """Fields without their own flag go through --compilation-config (CompilationConfig names)."""
+    extra: dict[str, Any] = {}
+    if comp.splitting_ops is not None:
+        extra["splitting_ops"] = comp.splitting_ops
+    if comp.compile_sizes is not None:
+        extra["compile_sizes"] = comp.compile_sizes
+    if not comp.use_inductor:
+        extra["use_inductor"] = False
+    if comp.inductor_compile_config:
+        extra["inductor_compile_config"] = comp.inductor_compile_config
+    return extra
+
+
+def render_args(
+    spec: AtomDeploymentSpec,
+    role: str,
+    *,
+    cache_dir: str | None,
+    command: str = "serve",
+) -> list[str]:
+    """Arguments after `atom-runtime` for one role; sizes are dropped when no graph is captured."""
+    comp = effective_compilation(spec, role)
+    model = spec.model
+    args = [command, "--model", model.path or model.name or ""]
+    args += ["--load-format", model.load_format, "--dtype", model.dtype]
+    if model.path and model.name:
+        args += ["--served-model-name", model.name]
+    args += ["--host", "0.0.0.0", "--port", str(naming.HTTP_PORT)]
+    args += ["--max-num-seqs", str(spec.engine.max_num_seqs)]
+    if spec.engine.max_model_len is not None:
+        args += ["--max-model-len", str(spec.engine.max_model_len)]
+    if spec.engine.enforce_eager:
+        args.append("--enforce-eager")
+    args += ["--level", str(comp.level)]
+    if comp.cudagraph_mode is not None:
+        args += ["--cudagraph-mode", comp.cudagraph_mode]
+    if comp.cudagraph_mode != "NONE":
+        if comp.cudagraph_capture_sizes:
+            args += ["--cudagraph-capture-sizes", *map(str, sorted(comp.cudagraph_capture_sizes))]
+        elif comp.cuda_graph_sizes:
+            args += ["--cuda-graph-sizes", *map(str, comp.cuda_graph_sizes)]
+    extra = _compilation_config_json(comp)
+    if extra:
+        args += ["--compilation-config", json.dumps(extra, sort_keys=True, separators=(",", ":"))]
+    if cache_dir:
+        args += ["--compile-cache-dir", cache_dir]
+    args += ["--role", role]
+    if role in (naming.PREFILL, naming.DECODE):
+        args += ["--kv-port", str(naming.KV_PORT)]
+    return args
+
+
+def command_line(args: list[str]) -> str:
+    return shlex.join(["atom-runtime", *args])
+
+
+def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
+    """Hash of what changes compiled code: image, model identity, dtype, engine shape and the
+    role's effective compilation. Replicas, names, IPs and ports never enter it."""
+    comp = effective_compilation(spec, role)
+    comp_fields = comp.model_dump(exclude_none=True)
+    if graph_mode(spec, comp) == "NONE":  # ignored sizes must not split the cache
+        comp_fields.pop("cudagraph_capture_sizes", None)
+        comp_fields.pop("cuda_graph_sizes", None)
+    identity = {
+        "image": image,
+        "model": {
+            "name": spec.model.name,
+            "path": spec.model.path,
+            "loadFormat": spec.model.load_format,
+        },
+        "dtype": spec.model.dtype,
+        "engine": spec.engine.model_dump(),
+        "compilation": comp_fields,
+    }
+    return naming.digest(identity, 16)
+
+
+def startup_budget_seconds(spec: AtomDeploymentSpec, role: str) -> int:
+    """Time allowed before /health must pass: load + compile (by level) + capture (by sizes)."""
+    comp = effective_compilation(spec, role)
+    compile_s = {0: 0, 1: 60, 2: 300, 3: 600}[comp.level]
+    capture_s = 5 * len(capture_sizes(spec, comp))
+    return min(180 + compile_s + capture_s, 4 * 3600)

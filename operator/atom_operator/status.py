@@ -1,0 +1,331 @@
+"""Pure status computation: phase, conditions and per-role counts from observed children.
+
+Truthful means: counts come from pods at the current revision, Ready needs every role ready
+at that revision (and the router on it), and Degraded names the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from atom_operator import naming, runtime_args
+from atom_operator.builders import Plan
+from atom_operator.models import AtomDeploymentSpec
+from atom_operator.snapshot import (
+    Snapshot,
+    deployment_complete,
+    job_state,
+    label,
+    live_pods,
+    pod_ready,
+)
+
+CLAIM_PENDING_GRACE = timedelta(minutes=2)  # binding (or WaitForFirstConsumer) takes a moment
+CRASH_RESTARTS = 2
+
+
+@dataclass
+class Problem:
+    reason: str
+    message: str
+
+
+def _timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def role_counts(
+    spec: AtomDeploymentSpec, snap: Snapshot, role: str, revision: str
+) -> dict[str, Any]:
+    pods = live_pods(snap, role)
+    current = [p for p in pods if label(p, naming.LABEL_REVISION) == revision]
+    return {
+        "replicas": runtime_args.role_replicas(spec, role),
+        "readyReplicas": sum(pod_ready(p) for p in current),
+        "updatedReplicas": len(current),
+        "revision": revision,
+    }
+
+
+def _role_ready(counts: dict[str, Any], snap: Snapshot, role: str, revision: str) -> bool:
+    stale = [p for p in live_pods(snap, role) if label(p, naming.LABEL_REVISION) != revision]
+    return (
+        counts["readyReplicas"] >= counts["replicas"]
+        and counts["updatedReplicas"] == counts["replicas"]
+        and not stale
+    )
+
+
+def crash_loops(snap: Snapshot) -> list[Problem]:
+    """Runtime pods that keep dying before their first Ready: compile or capture failing."""
+    problems = []
+    for pod in snap.pods:
+        if (
+            pod["metadata"].get("deletionTimestamp")
+            or label(pod, naming.LABEL_COMPONENT) != "runtime"
+        ):
+            continue
+        for cs in pod.get("status", {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            looping = (
+                waiting.get("reason") == "CrashLoopBackOff"
+                or cs.get("restartCount", 0) >= CRASH_RESTARTS
+            )
+            if looping and not cs.get("ready"):
+                detail = f"{cs.get('restartCount', 0)} restarts"
+                if last:
+                    detail += f", last exit {last.get('reason', 'Error')} (code {last.get('exitCode', '?')})"
+                problems.append(
+                    Problem(
+                        "CaptureCrashLoop",
+                        f"pod {pod['metadata']['name']} ({label(pod, naming.LABEL_ROLE)}) is crash-looping "
+                        f"during compile/capture: {detail}",
+                    )
+                )
+    return problems
+
+
+def cache_condition(
+    spec: AtomDeploymentSpec, snap: Snapshot, plan: Plan, now: datetime
+) -> tuple[str, str, str, list[Problem]]:
+    """(status, reason, message, problems) of CompileCacheReady."""
+    if not spec.compile_cache.enabled:
+        return "True", "Disabled", "compile cache disabled: every pod compiles from scratch", []
+    problems: list[Problem] = []
+    pvc = snap.pvc
+    claim = plan.claim_name
+    if pvc is None:
+        return "False", "ClaimMissing", f"PersistentVolumeClaim {claim} not found", []
+    phase = pvc.get("status", {}).get("phase", "Pending")
+    if phase != "Bound":
+        created = _parse_time(pvc["metadata"].get("creationTimestamp"))
+        msg = f"PersistentVolumeClaim {claim} is {phase}"
+        if phase == "Lost" or (created is not None and now - created > CLAIM_PENDING_GRACE):
+            problems.append(Problem("ClaimUnbound", msg + " (no volume bound to it)"))
+        return "False", "ClaimPending", msg, problems
+    for key, job_name in plan.warmup_jobs.items():
+        state = job_state(snap.job(job_name))
+        if state == "Failed":
+            problems.append(
+                Problem("WarmupFailed", f"warm-up Job {job_name} failed (cache key {key})")
+            )
+            return "False", "WarmupFailed", f"warm-up Job {job_name} failed", problems
+        if state != "Complete":
+            return (
+                "False",
+                "WarmingUp",
+                f"warm-up Job {job_name} is compiling into the cache",
+                problems,
+            )
+    keys = ", ".join(f"{r}={k}" for r, k in plan.cache_keys.items())
+    reason = "Warm" if plan.warmup_jobs else "Bound"
+    return "True", reason, f"claim {claim} bound; keys {keys}", problems
+
+
+def _condition(
+    ctype: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int,
+    now: datetime,
+    previous: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    prev = previous.get(ctype)
+    changed = prev is None or prev.get("status") != status
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": _timestamp(now)
+        if changed
+        else prev.get("lastTransitionTime", _timestamp(now)),
+        "observedGeneration": generation,
+    }
+
+
+def compute_status(
+    *,
+    name: str,
+    spec: AtomDeploymentSpec,
+    generation: int,
+    snap: Snapshot,
+    plan: Plan,
+    now: datetime,
+    previous_conditions: list[dict[str, Any]] | None = None,
+    apply_errors: list[str] | None = None,
+) -> dict[str, Any]:
+    """The whole status stanza (camelCase), ready for the status subresource."""
+    rev = plan.revision
+    roles: dict[str, dict[str, Any]] = {}
+    ready_roles = 0
+    for role in runtime_args.roles(spec):
+        counts = role_counts(spec, snap, role, rev)
+        roles[role] = counts
+        ready_roles += _role_ready(counts, snap, role, rev)
+    total_roles = len(roles)
+    router_ok = True
+    if spec.disaggregation is not None:
+        dep = snap.deployment(naming.role_deployment_name(name, naming.ROUTER, None))
+        router_serving = (
+            (dep or {}).get("metadata", {}).get("annotations", {}).get(naming.ANNOTATION_SERVING)
+        )
+        router_ok = router_serving == rev and deployment_complete(dep)
+        pods = live_pods(snap, naming.ROUTER)
+        roles[naming.ROUTER] = {
+            "replicas": runtime_args.role_replicas(spec, naming.ROUTER),
+            "readyReplicas": sum(
+                pod_ready(p) for p in pods if label(p, naming.LABEL_REVISION) == rev
+            ),
+            "updatedReplicas": sum(label(p, naming.LABEL_REVISION) == rev for p in pods),
+            "revision": router_serving,
+        }
+        total_roles += 1
+        ready_roles += router_ok
+
+    cache_status, cache_reason, cache_msg, problems = cache_condition(spec, snap, plan, now)
+    problems += crash_loops(snap)
+    problems += [Problem("ApplyFailed", e) for e in apply_errors or []]
+    all_ready = ready_roles == total_roles
+
+    if all_ready:
+        ready = (
+            "True",
+            "AllRolesReady",
+            f"{ready_roles}/{total_roles} roles ready at revision {rev}",
+        )
+        progressing = ("False", "RolloutComplete", f"revision {rev} is serving")
+    else:
+        waiting = [
+            r
+            for r, c in roles.items()
+            if c["readyReplicas"] < c["replicas"] or c.get("revision") != rev
+        ]
+        if plan.waiting_for_warmup:
+            reason, msg = (
+                "WaitingForWarmup",
+                f"roles {', '.join(plan.waiting_for_warmup)} wait for the warm-up Job",
+            )
+        elif spec.disaggregation is not None and not router_ok and plan.serving_revision != rev:
+            reason, msg = (
+                "RollingOut",
+                f"router stays on {plan.serving_revision} until revision {rev} is ready",
+            )
+        else:
+            reason, msg = (
+                "RollingOut",
+                f"waiting for {', '.join(waiting) or 'old pods to go'} at revision {rev}",
+            )
+        ready = (
+            "False",
+            "RolesNotReady",
+            f"{ready_roles}/{total_roles} roles ready at revision {rev}",
+        )
+        progressing = ("True", reason, msg)
+    degraded = (
+        ("True", problems[0].reason, "; ".join(p.message for p in problems))
+        if problems
+        else ("False", "AsExpected", "no failures observed")
+    )
+    previous = {c["type"]: c for c in previous_conditions or [] if "type" in c}
+    conditions = [
+        _condition("Ready", *ready, generation, now, previous),
+        _condition("Progressing", *progressing, generation, now, previous),
+        _condition("Degraded", *degraded, generation, now, previous),
+        _condition(
+            "CompileCacheReady", cache_status, cache_reason, cache_msg, generation, now, previous
+        ),
+    ]
+    if problems:
+        phase = "Degraded"
+    elif all_ready:
+        phase = "Ready"
+    elif not any(live_pods(snap, r) for r in roles):
+        phase = "Pending"
+    else:
+        phase = "Progressing"
+
+    modes = {
+        role: runtime_args.graph_mode(spec, runtime_args.effective_compilation(spec, role))
+        for role in runtime_args.roles(spec)
+    }
+    graph_mode = (
+        next(iter(modes.values()))
+        if len(set(modes.values())) == 1
+        else ",".join(f"{r}={m}" for r, m in modes.items())
+    )
+    keys = plan.cache_keys
+    unified = roles.get(naming.UNIFIED)
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "phase": phase,
+        "conditions": conditions,
+        "roles": roles,
+        "compileCache": {
+            "key": next(iter(keys.values()))
+            if len(set(keys.values())) == 1
+            else ",".join(f"{r}:{k}" for r, k in keys.items()),
+            "keys": keys,
+            "claimName": plan.claim_name,
+        },
+        "revision": rev,
+        "servingRevision": plan.serving_revision,
+        "endpoint": plan.endpoint,
+        "graphMode": graph_mode,
+        "ready": f"{ready_roles}/{total_roles}",
+        "replicas": unified["updatedReplicas"] if unified else 0,
+        "selector": naming.selector_string(naming.selector_labels(name, naming.UNIFIED)),
+    }
+    return status
+
+
+def invalid_spec_status(
+    generation: int, message: str, now: datetime, previous_conditions: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Status for a spec the operator cannot read (a CRD older than the operator)."""
+    previous = {c["type"]: c for c in previous_conditions or [] if "type" in c}
+    msg = f"spec does not match the operator's schema (is the CRD up to date?): {message}"[:1000]
+    return {
+        "observedGeneration": generation,
+        "phase": "Degraded",
+        "conditions": [
+            _condition("Ready", "False", "InvalidSpec", msg, generation, now, previous),
+            _condition("Progressing", "False", "InvalidSpec", msg, generation, now, previous),
+            _condition("Degraded", "True", "InvalidSpec", msg, generation, now, previous),
+        ],
+    }
+
+
+def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch from `old` to `new` status: changed top-level fields only, and map
+    entries that disappeared (roles after unified <-> disaggregated, cache keys) set to null."""
+    new = dict(new)
+    if "roles" in new:
+        new["roles"] = {**{r: None for r in (old.get("roles") or {})}, **new["roles"]}
+    cache = new.get("compileCache")
+    if cache is not None:
+        old_keys = (old.get("compileCache") or {}).get("keys") or {}
+        new["compileCache"] = {
+            **cache,
+            "keys": {**{k: None for k in old_keys}, **(cache.get("keys") or {})},
+        }
+    return {k: v for k, v in new.items() if _stripped(old.get(k)) != _stripped(v)}
+
+
+def _stripped(value: Any) -> Any:
+    """Compare as the API server stores it: null map entries are removed by a merge patch."""
+    if isinstance(value, dict):
+        return {k: _stripped(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_stripped(v) for v in value]
+    return value

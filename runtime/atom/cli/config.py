@@ -1,0 +1,47 @@
+"""argparse namespace (atom.cli.args.build_parser) -> Config, per docs/architecture.md."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from atom.config import CompilationConfig, Config
+
+DEFAULT_CLI_LEVEL = 3  # production default; the dataclass keeps the guide's 0
+
+
+def compilation_from_args(args: argparse.Namespace) -> CompilationConfig:
+    """--compilation-config JSON first, then the explicit flags override it."""
+    data: dict[str, Any] = dict(getattr(args, "compilation_config", None) or {})
+    if args.level is not None:
+        data["level"] = args.level
+    elif "level" not in data:
+        data["level"] = DEFAULT_CLI_LEVEL
+    if args.cudagraph_mode is not None:
+        data["cudagraph_mode"] = args.cudagraph_mode
+    if args.cudagraph_capture_sizes is not None:
+        data["cudagraph_capture_sizes"] = list(args.cudagraph_capture_sizes)
+    if args.cuda_graph_sizes is not None:
+        data["cuda_graph_sizes"] = list(args.cuda_graph_sizes)
+    if args.compile_cache_dir is not None:
+        data["cache_dir"] = args.compile_cache_dir
+    return CompilationConfig.from_dict(data)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Build the engine Config; bad values raise ValueError naming the field."""
+    return Config(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        served_model_name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
+        compilation_config=compilation_from_args(args),
+        seed=args.seed,
+        role=args.role,
+    )

@@ -1,0 +1,353 @@
+"""Engine configuration: compilation levels, CUDA-graph modes, and the serving Config.
+
+Names, defaults and the level-3 setup in Config.__post_init__ follow the ATOM compilation
+guide; every invalid value raises ValueError naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPLITTING_OPS = ["aiter.unified_attention_with_output", "aiter.mla_attention"]
+CAPTURE_SIZES_KEYWORD = "cudagraph_capture_sizes"
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ROLES = ("unified", "prefill", "decode")
+
+
+class CompilationLevel(enum.IntEnum):
+    NO_COMPILATION = 0
+    DYNAMO_AS_IS = 1
+    DYNAMO_ONCE = 2
+    PIECEWISE = 3
+
+    @classmethod
+    def parse(cls, value: Any, field_name: str = "compilation_config.level") -> CompilationLevel:
+        allowed = ", ".join(f"{m.value} ({m.name})" for m in cls)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.upper() in cls.__members__:
+                return cls[text.upper()]
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int) or value not in {m.value for m in cls}:
+            raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}")
+        return cls(value)
+
+
+class CUDAGraphMode(enum.Enum):
+    """How CUDA graphs are captured; tuple modes give (decode mode, mixed-batch mode)."""
+
+    NONE = 0
+    TR_HYBRID = 1
+    FULL = 2
+    # Inside the class body FULL/NONE/TR_HYBRID are still the plain values.
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_TR_HYBRID = (FULL, TR_HYBRID)
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def decode_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def max_cudagraph_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(max(self.value)) if self.separate_routine() else self
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.max_cudagraph_mode() == CUDAGraphMode.FULL
+
+    def uses_tr_hybrid(self) -> bool:
+        return CUDAGraphMode.TR_HYBRID in (self.decode_mode(), self.mixed_mode())
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        return mode in (self.decode_mode(), self.mixed_mode())
+
+    @classmethod
+    def parse(cls, value: Any, field_name: str = "compilation_config.cudagraph_mode") -> CUDAGraphMode:
+        """From a member, its name (any case, '-' or '_'), its int value or its tuple value."""
+        if isinstance(value, cls):
+            return value
+        allowed = ", ".join(cls.__members__)
+        if isinstance(value, str):
+            key = value.strip().upper().replace("-", "_")
+            if key in cls.__members__:
+                return cls[key]
+            if key.isdigit():
+                value = int(key)
+            else:
+                raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}")
+        if isinstance(value, list):
+            value = tuple(value)
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return cls(value)
+        except (ValueError, TypeError):
+            raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}") from None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def default_capture_sizes(n: int) -> list[int]:
+    """The guide's pattern for one cuda_graph_sizes value N: [1..8] + [16, 32, ..., N]."""
+    return list(range(1, 9)) + list(range(16, n + 1, 16))
+
+
+def _check_sizes(name: str, sizes: Any, allow_keyword: bool = False) -> None:
+    if not isinstance(sizes, (list, tuple)):
+        raise ValueError(f"{name} must be a list of positive integers, got {sizes!r}")
+    for s in sizes:
+        if allow_keyword and s == CAPTURE_SIZES_KEYWORD:
+            continue
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            extra = f' or the string "{CAPTURE_SIZES_KEYWORD}"' if allow_keyword else ""
+            raise ValueError(f"{name} entries must be positive integers (>= 1){extra}, got {s!r}")
+
+
+@dataclass
+class CompilationConfig:
+    level: int = 0
+    use_cudagraph: bool = True
+    cudagraph_capture_sizes: list[int] | None = None
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: [512])
+    cudagraph_mode: CUDAGraphMode | None = None
+    splitting_ops: list[str] | None = None
+    cudagraph_copy_inputs: bool = False
+    use_inductor: bool = True
+    compile_sizes: list[int | str] | None = None
+    inductor_compile_config: dict = field(default_factory=dict)
+    debug_dump_path: str = ""
+    cache_dir: str = ""
+    # Filled at run time, not configuration (excluded from the cache hash).
+    traced_files: set[str] = field(default_factory=set, repr=False, compare=False)
+    local_cache_dir: str = field(default="", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.level = int(CompilationLevel.parse(self.level))
+        if self.cudagraph_mode is not None:
+            self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if self.cudagraph_capture_sizes is not None:
+            _check_sizes("compilation_config.cudagraph_capture_sizes", self.cudagraph_capture_sizes)
+            self.cudagraph_capture_sizes = list(self.cudagraph_capture_sizes)
+        _check_sizes("compilation_config.cuda_graph_sizes", self.cuda_graph_sizes)
+        if len(self.cuda_graph_sizes) == 0:
+            raise ValueError("compilation_config.cuda_graph_sizes must hold at least one size")
+        self.cuda_graph_sizes = list(self.cuda_graph_sizes)
+        if self.compile_sizes is not None:
+            _check_sizes("compilation_config.compile_sizes", self.compile_sizes, allow_keyword=True)
+            self.compile_sizes = list(self.compile_sizes)
+        if self.splitting_ops is not None:
+            if not isinstance(self.splitting_ops, (list, tuple)) or not all(
+                isinstance(op, str) and "." in op for op in self.splitting_ops
+            ):
+                raise ValueError(
+                    'compilation_config.splitting_ops must be a list of "namespace.op" names, '
+                    f"got {self.splitting_ops!r}"
+                )
+            self.splitting_ops = list(self.splitting_ops)
+        if not isinstance(self.inductor_compile_config, dict):
+            raise ValueError(
+                "compilation_config.inductor_compile_config must be a dict of Inductor options, "
+                f"got {self.inductor_compile_config!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CompilationConfig:
+        """From JSON-like keys (snake_case or camelCase); unknown keys are refused."""
+        known = {f.name for f in fields(cls) if f.init and f.name not in ("traced_files", "local_cache_dir")}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            name = _snake(key)
+            if name not in known:
+                raise ValueError(
+                    f"compilation_config has no field {key!r}; allowed: {', '.join(sorted(known))}"
+                )
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def set_splitting_ops_for_v1(self) -> None:
+        """Piecewise compilation splits at the attention ops unless the user chose others."""
+        if self.splitting_ops is None:
+            self.splitting_ops = list(DEFAULT_SPLITTING_OPS)
+
+    def init_with_cudagraph_sizes(self, cudagraph_capture_sizes: list[int]) -> None:
+        """Fix the final capture sizes and expand "cudagraph_capture_sizes" in compile_sizes."""
+        self.cudagraph_capture_sizes = sorted(set(cudagraph_capture_sizes))
+        sizes: set[int] = set()
+        for s in self.compile_sizes or []:
+            if s == CAPTURE_SIZES_KEYWORD:
+                sizes.update(self.cudagraph_capture_sizes)
+            else:
+                sizes.add(int(s))
+        self.compile_sizes = sorted(sizes)
+
+    @property
+    def max_capture_size(self) -> int:
+        return max(self.cudagraph_capture_sizes or [0])
+
+    def hash_factors(self) -> dict[str, Any]:
+        """What changes compiled code; paths and run-time fields are left out on purpose."""
+        skip = {"cache_dir", "debug_dump_path", "traced_files", "local_cache_dir"}
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in skip:
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, CUDAGraphMode) else value
+        return out
+
+
+def _snake(name: str) -> str:
+    out = []
+    for ch in name:
+        if ch.isupper():
+            out.append("_" + ch.lower())
+        else:
+            out.append(ch)
+    return "".join(out).lstrip("_")
+
+
+@dataclass
+class Config:
+    model: str = "tiny-llama"  # directory with config.json, or a built-in shape name
+    load_format: str = "auto"  # auto | safetensors | dummy
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | auto
+    served_model_name: str | None = None
+    max_num_seqs: int = 512
+    max_model_len: int | None = None  # default: model's max_position_embeddings capped at 4096
+    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None  # CPU: size of the KV cache in blocks (default 512)
+    enforce_eager: bool = False
+    capture_sizes: list[int] | None = None  # computed in __post_init__
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    seed: int = 0
+    role: str = "unified"
+    device: str | None = None  # default: "cuda" if available else "cpu"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compilation_config, dict):
+            self.compilation_config = CompilationConfig.from_dict(self.compilation_config)
+        self._validate_serving_fields()
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+        if self.device is None:
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        cc = self.compilation_config
+
+        if self.enforce_eager:
+            # The guide: enforce_eager skips all compilation and CUDA graphs.
+            cc.level = int(CompilationLevel.NO_COMPILATION)
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+            cc.init_with_cudagraph_sizes([])
+            self.capture_sizes = []
+            return
+
+        if cc.level == CompilationLevel.PIECEWISE:
+            cc.set_splitting_ops_for_v1()
+            if cc.cudagraph_mode is None:
+                cc.cudagraph_mode = CUDAGraphMode.TR_HYBRID
+        elif cc.cudagraph_mode is None:
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+        if not cc.use_cudagraph:
+            if cc.cudagraph_mode != CUDAGraphMode.NONE:
+                logger.info("use_cudagraph=False: cudagraph_mode %s -> NONE", cc.cudagraph_mode)
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+
+        if cc.cudagraph_mode == CUDAGraphMode.NONE:
+            # Nothing is captured: sizes are ignored rather than refused (DESIGN.md).
+            self.capture_sizes = []
+        else:
+            self._set_cudagraph_sizes()
+        cc.init_with_cudagraph_sizes(self.capture_sizes)
+
+    def _validate_serving_fields(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("max_num_seqs")
+        positive("block_size")
+        positive("max_model_len", allow_none=True)
+        positive("max_num_batched_tokens", allow_none=True)
+        positive("num_kv_blocks", allow_none=True)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not isinstance(self.compilation_config, CompilationConfig):
+            raise ValueError(
+                "compilation_config must be a CompilationConfig or a dict of its fields, "
+                f"got {type(self.compilation_config).__name__}"
+            )
+
+    def _set_cudagraph_sizes(self) -> None:
+        """capture_sizes from cudagraph_capture_sizes, else from cuda_graph_sizes (guide)."""
+        cc = self.compilation_config
+        if cc.cudagraph_capture_sizes is not None:
+            sizes, source = list(cc.cudagraph_capture_sizes), "compilation_config.cudagraph_capture_sizes"
+        elif len(cc.cuda_graph_sizes) == 1:
+            # The generated pattern is clamped: the scheduler never runs more than max_num_seqs.
+            sizes = [s for s in default_capture_sizes(cc.cuda_graph_sizes[0]) if s <= self.max_num_seqs]
+            source = "compilation_config.cuda_graph_sizes"
+        else:
+            sizes, source = list(cc.cuda_graph_sizes), "compilation_config.cuda_graph_sizes"
+        too_big = [s for s in sizes if s > self.max_num_seqs]
+        if too_big:
+            raise ValueError(
+                f"{source} entries must be between 1 and max_num_seqs={self.max_num_seqs}, "
+                f"got {too_big}"
+            )
+        self.capture_sizes = sorted(set(sizes))
+
+    def finalize_model_len(self, max_position_embeddings: int) -> None:
+        """Fill the length defaults once the model's config is known (docs/architecture.md)."""
+        if self.max_model_len is None:
+            self.max_model_len = min(int(max_position_embeddings), 4096)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+
+    def model_hash_factors(self) -> dict[str, Any]:
+        """Config-side model identity for the compile-cache hash (the module adds its shapes)."""
+        return {"model": self.model, "dtype": self.dtype}
+
+    def compile_hash_factors(self) -> dict[str, Any]:
+        return {
+            "compilation_config": self.compilation_config.hash_factors(),
+            "model": self.model_hash_factors(),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        cc = data["compilation_config"]
+        cc.pop("traced_files", None)
+        cc.pop("local_cache_dir", None)
+        if self.compilation_config.cudagraph_mode is not None:
+            cc["cudagraph_mode"] = self.compilation_config.cudagraph_mode.name
+        return data

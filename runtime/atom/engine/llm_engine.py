@@ -1,0 +1,182 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from atom.engine.block_manager import BlockManager
+from atom.engine.params import RequestOutput, SamplingParams
+from atom.engine.sampler import Sampler
+from atom.engine.scheduler import Scheduler
+from atom.engine.sequence import Sequence
+from atom.model_engine.model_runner import ModelRunner
+from atom.models.registry import load_model_config
+from atom.utils.counters import counters
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.hf_config = load_model_config(config.model)
+        config.finalize_model_len(self.hf_config.max_position_embeddings)
+        if config.max_model_len > self.hf_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.hf_config.max_position_embeddings}"
+            )
+        window = self.hf_config.sliding_window
+        if window is not None and config.max_model_len > window:
+            # Attention here is always full; within the window that is exactly sliding attention.
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window} "
+                "(sliding-window attention is not implemented): set max_model_len <= the window"
+            )
+        self.runner = ModelRunner(config, self.hf_config)
+        num_blocks = self.runner.determine_num_blocks()
+        if num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks x {config.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={config.max_model_len}; lower max_model_len or add blocks"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_model_len)
+        self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
+        self.eos_token_ids = set(self.hf_config.eos_token_id)
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
+        self._arrival = itertools.count()
+        self.warmed_up = False
+        self.warmup_summary: dict[str, Any] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def warmup(self) -> dict:
+        """Compile (levels 2-3) and capture graphs; returns a summary for logs and /status."""
+        before = counters.snapshot()
+        t0 = time.perf_counter()
+        compile_s = self.runner.warmup_model()
+        capture_s, sizes = self.runner.capture_cudagraph()
+        cc = self.config.compilation_config
+        self.warmup_summary = {
+            "model": self.config.model,
+            "level": int(cc.level),
+            "cudagraph_mode": str(cc.cudagraph_mode) if cc.cudagraph_mode is not None else "NONE",
+            "warmup_seconds": round(time.perf_counter() - t0, 3),
+            "compile_seconds": round(compile_s, 3),
+            "capture_seconds": round(float(capture_s), 3),
+            "captured_sizes": list(sizes),
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "max_model_len": self.config.max_model_len,
+            "counters": counters.delta(before),
+        }
+        self.warmed_up = True
+        return self.warmup_summary
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (at least one token is needed)")
+        if n > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, more than max_model_len={self.config.max_model_len}"
+            )
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:3]}")
+        seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrival))
+        if params.seed is not None:
+            seq.generator = self.sampler.make_generator(params.seed)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._pending.append(self._output(seq, [], []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, tokens: list[int], lps: list[float | None]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=[float(x) for x in lps if x is not None] if seq.params.logprobs else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; outputs for every request that moved."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs
+        logits, to_sample = self.runner.execute_model(sched.seqs, sched.is_prefill)
+        for seq in sched.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+        tokens, lps = self.sampler(logits, to_sample)
+        for seq, tok, lp in zip(to_sample, tokens, lps, strict=True):
+            seq.token_ids.append(tok)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [tok], [lp]))
+        return outputs
+
+    def stats(self) -> dict:
+        out: dict[str, Any] = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+        out.update(counters.snapshot())
+        return out
+
+    # ---- convenience ---------------------------------------------------------------------
+    def generate(self, prompts_token_ids: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Run prompts to completion; output token ids per prompt, in prompt order."""
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts_token_ids)
+        ids = [f"gen-{next(self._arrival)}-{i}" for i in range(len(prompts_token_ids))]
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt, p in zip(ids, prompts_token_ids, params, strict=True):
+            self.add_request(rid, prompt, p)
+        while any(rid in self._seqs for rid in ids) or self._pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]

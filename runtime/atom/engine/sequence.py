@@ -1,0 +1,60 @@
+"""One request's token state as the scheduler and model runner see it."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from atom.engine.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt + generated tokens; `num_computed_tokens` of them have keys/values in the cache.
+
+    A step computes `num_scheduled_tokens` more. When all tokens are computed the step's last
+    row yields logits and a new token is sampled. Preemption resets the computed count and
+    frees the blocks: the sequence is recomputed from its tokens (prompt + outputs so far).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int = 0) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.output_logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None  # per-request seeded sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (aiohttp) around atom.engine.LLMEngine."""

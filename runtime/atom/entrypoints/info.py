@@ -1,0 +1,45 @@
+"""What /status and `warmup` report about the resolved Config."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def cache_key(local_cache_dir: str) -> str | None:
+    """The hash directory of a compile cache path `<root>/<hash>/rank_<r>/<prefix>`."""
+    if not local_cache_dir:
+        return None
+    return (
+        os.path.basename(os.path.dirname(os.path.dirname(os.path.normpath(local_cache_dir))))
+        or None
+    )
+
+
+def config_info(config: Any) -> dict[str, Any]:
+    """Level, graph mode, buckets, cache location: read live, since compilation fills the cache dir."""
+    cc = config.compilation_config
+    local = getattr(cc, "local_cache_dir", "") or ""
+    return {
+        "level": int(cc.level),
+        "mode": str(cc.cudagraph_mode) if cc.cudagraph_mode is not None else "NONE",
+        "buckets": list(config.capture_sizes or []),
+        "enforce_eager": bool(config.enforce_eager),
+        "device": config.device,
+        "dtype": config.dtype,
+        "max_num_seqs": config.max_num_seqs,
+        "cache_dir": local or cc.cache_dir,
+        "cache_key": cache_key(local),
+    }
+
+
+def graph_info(engine: Any) -> dict[str, Any]:
+    """What the graph runner really does (CPU resolves every mode to NONE), if the engine has one."""
+    runner = getattr(getattr(engine, "runner", None), "graph_runner", None)
+    if runner is None or not hasattr(runner, "stats"):
+        return {"effective_mode": "NONE"}
+    try:
+        stats = dict(runner.stats())
+    except Exception:  # introspection must never break /status
+        return {}
+    return {"effective_mode": stats.get("cudagraph_mode", "NONE"), "graphs": stats}

@@ -1,0 +1,169 @@
+"""Prometheus metrics: request outcomes and latencies observed by the server, engine gauges and
+the compile/graph counters read at scrape time. One registry per server, so tests can build
+several apps in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+# engine.stats() keys exported as gauges (name -> help)
+ENGINE_GAUGES = {
+    "running": ("atom_num_requests_running", "Sequences in the running batch"),
+    "waiting": ("atom_num_requests_waiting", "Sequences waiting to be scheduled"),
+    "kv_blocks_used": ("atom_kv_blocks_used", "Paged KV cache blocks in use"),
+    "kv_blocks_total": ("atom_kv_blocks_total", "Paged KV cache blocks in total"),
+    "num_preemptions": ("atom_num_preemptions", "Sequences preempted (recomputed) so far"),
+}
+
+# atom.utils.counters names (docs/architecture.md): exported even before they first move.
+DOCUMENTED_COUNTERS = (
+    "graphs_compiled",
+    "pieces",
+    "pieces_compiled",
+    "artifacts_saved",
+    "artifacts_loaded",
+    "cache_hits",
+    "cache_misses",
+    "graphs_recorded",
+    "graph_replays",
+    "eager_steps",
+    "eager_region_runs",
+)
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        counters: Callable[[], dict[str, int]],
+        warmup: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "atom_requests",
+            "Finished requests by endpoint and outcome",
+            ["endpoint", "finish_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "atom_requests_rejected",
+            "Requests refused before reaching the engine",
+            ["status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "atom_prompt_tokens", "Prompt tokens of admitted requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "atom_generation_tokens", "Generated tokens", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "atom_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "atom_inter_token_latency_seconds",
+            "Time between a request's successive tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "atom_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(stats, counters, warmup))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's gauges and the process-wide counters at scrape time."""
+
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        counters: Callable[[], dict[str, int]],
+        warmup: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._stats, self._counters, self._warmup = stats, counters, warmup
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
+        # Compile and graph counters: atom_<name>_total, e.g. atom_graph_replays_total.
+        merged: dict[str, int] = dict.fromkeys(DOCUMENTED_COUNTERS, 0)  # always present, even at 0
+        for source in (stats.get("counters"), self._counters()):
+            if isinstance(source, dict):
+                merged.update({k: int(v) for k, v in source.items() if isinstance(v, (int, float))})
+        for name in sorted(merged):
+            yield CounterMetricFamily(
+                f"atom_{name}", f"atom.utils.counters[{name!r}]", value=merged[name]
+            )
+        summary = self._warmup()
+        yield GaugeMetricFamily(
+            "atom_capture_seconds",
+            "Seconds spent capturing CUDA graphs at warm-up",
+            value=float(_capture_seconds(summary)),
+        )
+        yield GaugeMetricFamily(
+            "atom_compile_seconds",
+            "Seconds spent compiling at warm-up",
+            value=float(summary.get("compile_seconds", 0) or 0),
+        )
+        yield GaugeMetricFamily(
+            "atom_captured_buckets",
+            "CUDA graph buckets captured",
+            value=float(len(captured_buckets(summary))),
+        )
+
+
+def _capture_seconds(summary: dict[str, Any]) -> float:
+    for key in ("capture_seconds", "capture_time_s", "capture_time"):
+        if isinstance(summary.get(key), (int, float)):
+            return float(summary[key])
+    return 0.0
+
+
+def captured_buckets(summary: dict[str, Any]) -> list[Any]:
+    for key in ("captured_sizes", "captured_buckets", "buckets"):
+        value = summary.get(key)
+        if isinstance(value, dict):  # per phase: {"decode": [...], "prefill": [...]}
+            return sorted({b for v in value.values() for b in v})
+        if isinstance(value, list):
+            return value
+    return []

@@ -1,0 +1,290 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, validated into one internal shape.
+
+Validation is pydantic with strict scalar types (a string where a number belongs is refused, not
+coerced); every failure becomes an APIError naming the offending field as `param`. Fields of the
+OpenAI API that the engine cannot honour (n > 1, echo, penalties, top alternatives) are refused
+with a message rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from atom.entrypoints.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # extension (vLLM)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
+    ignore_eos: StrictBool = False  # extension (vLLM)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    user: StrictStr | None = None
+
+
+class CompletionBody(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """What the serving layer needs, independent of the endpoint."""
+
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: bool
+    stream: bool
+    include_usage: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    return body
+
+
+def validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise bad_request(
+            f"{loc}: {err['msg']}",
+            param=str(err["loc"][0]) if err["loc"] else None,
+            code="invalid_type",
+        ) from None
+
+
+def check_model_name(requested: str, served: str) -> None:
+    if requested != served:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist (this server serves `{served}`).",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _unsupported(body: _Common) -> None:
+    if body.n != 1:
+        raise bad_request("only n=1 is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported (only 0)", param=name)
+
+
+def _sampling(body: _Common) -> dict[str, Any]:
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request(
+            f"temperature must be between 0 and 2, got {temperature}", param="temperature"
+        )
+    top_p = 1.0 if body.top_p is None else float(body.top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = -1 if body.top_k is None else body.top_k
+    if top_k == 0 or top_k < -1:
+        raise bad_request(f"top_k must be -1 (disabled) or at least 1, got {top_k}", param="top_k")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": body.seed,
+        "stop": [s for s in stop if s],
+    }
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    default: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    param: str,
+    prompt_param: str,
+) -> int:
+    """Refuse prompts and budgets beyond the context window with the numbers in the message."""
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", param=prompt_param)
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {requested}", param=param)
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion).",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def completion_request(
+    body: dict[str, Any], tokenizer: Any, served: str, max_model_len: int, vocab_size: int
+) -> GenerationRequest:
+    req: CompletionBody = validate(CompletionBody, body)
+    check_model_name(req.model, served)
+    _unsupported(req)
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 1:
+        raise bad_request(
+            "logprobs must be 0 or 1: only the chosen token's logprob is returned", param="logprobs"
+        )
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise bad_request(
+                "batched prompts are not supported: send one prompt per request", param="prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        prompt_ids = tokenizer.encode(prompt)
+    else:
+        prompt_ids = list(prompt)
+        bad = [i for i in prompt_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise bad_request(
+                f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param="prompt"
+            )
+    return _build(
+        req,
+        prompt_ids,
+        default_max=16,
+        max_model_len=max_model_len,
+        prompt_param="prompt",
+        logprobs=req.logprobs is not None,
+    )
+
+
+def chat_request(
+    body: dict[str, Any], tokenizer: Any, served: str, max_model_len: int
+) -> GenerationRequest:
+    req: ChatBody = validate(ChatBody, body)
+    check_model_name(req.model, served)
+    _unsupported(req)
+    if not req.messages:
+        raise bad_request("messages must hold at least one message", param="messages")
+    if req.top_logprobs:
+        raise bad_request(
+            "top_logprobs is not supported: only the chosen token's logprob is returned",
+            param="top_logprobs",
+        )
+    messages = [m.model_dump() for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # a template's raise_exception or a rendering error is the client's
+        raise bad_request(f"chat template failed: {exc}", param="messages") from None
+    # The template carries BOS itself when the model wants one; only the plain fallback needs it added.
+    prompt_ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
+    if req.max_tokens is None and req.max_completion_tokens is not None:
+        req.max_tokens = req.max_completion_tokens
+    return _build(
+        req,
+        prompt_ids,
+        default_max=None,
+        max_model_len=max_model_len,
+        prompt_param="messages",
+        logprobs=req.logprobs,
+    )
+
+
+def _build(
+    req: _Common,
+    prompt_ids: list[int],
+    default_max: int | None,
+    max_model_len: int,
+    prompt_param: str,
+    logprobs: bool,
+) -> GenerationRequest:
+    sampling = _sampling(req)
+    max_tokens = resolve_max_tokens(
+        req.max_tokens, default_max, len(prompt_ids), max_model_len, "max_tokens", prompt_param
+    )
+    return GenerationRequest(
+        model=req.model,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        **sampling,
+    )

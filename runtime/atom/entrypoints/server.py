@@ -1,0 +1,342 @@
+"""The aiohttp application: OpenAI-compatible routes, /health, /metrics, /status.
+
+Handlers are thin: validate (protocol), run `generate()`, format the OpenAI wire format. Every
+client-caused failure is an APIError answered with its status and an OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.errors import APIError
+from atom.entrypoints.generation import Delta, generate, new_request_id
+from atom.entrypoints.info import config_info, graph_info
+from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
+from atom.entrypoints.protocol import (
+    GenerationRequest,
+    chat_request,
+    completion_request,
+    parse_json,
+)
+from atom.tokenizer import BaseTokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    model: str
+    max_waiting: int = 1024
+    role: str = "unified"
+    config: Any = None  # the resolved atom.config.Config, for /status
+    tokenizer: BaseTokenizer | None = None  # set once the engine is built
+    max_model_len: int = 0
+    vocab_size: int = 0
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        from atom.utils.counters import counters
+
+        self.metrics = ServerMetrics(
+            stats=lambda: self.engine.last_stats,
+            counters=counters.snapshot,
+            warmup=lambda: self.engine.warmup_summary,
+        )
+
+
+STATE_KEY = web.AppKey("atom_state", ServerState)
+
+
+def create_app(state: ServerState) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
+    app[STATE_KEY] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", status)
+    return app
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        if exc.status in (429, 503):
+            request.app[STATE_KEY].metrics.rejected.labels(status=str(exc.status)).inc()
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return APIError(413, exc.text or "request body too large").response()
+    except web.HTTPException as exc:  # 404/405 from routing, in the OpenAI shape
+        if exc.status >= 400:
+            return APIError(exc.status, exc.reason, code=str(exc.status)).response()
+        raise
+
+
+# ---- probes and introspection -------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.draining:
+        return web.json_response(
+            {"status": "draining", "reason": "server is shutting down"}, status=503
+        )
+    if not state.engine.is_ready:
+        return web.json_response(
+            {"status": state.engine.state, "reason": state.engine.reason}, status=503
+        )
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "atom",
+        "root": state.model,
+    }
+    if state.max_model_len:
+        card["max_model_len"] = state.max_model_len
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def status(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    engine = state.engine
+    summary = engine.warmup_summary
+    from atom.utils.counters import counters
+
+    body: dict[str, Any] = {
+        "model": state.model,
+        "served_model_name": state.served_model_name,
+        "role": state.role,
+        "state": engine.state,
+        "reason": engine.reason,
+        "ready": engine.is_ready,
+        "draining": state.draining,
+        "max_model_len": state.max_model_len,
+        **(config_info(state.config) if state.config is not None else {}),
+        **(graph_info(engine.engine) if engine.engine is not None else {}),
+        "captured_buckets": captured_buckets(summary),
+        "warmup": summary,
+        "stats": engine.last_stats,
+        "counters": counters.snapshot(),
+        "in_flight": len(engine.streams),
+        "steps": engine.steps,
+    }
+    if body.get("cache_key") is None and summary.get("cache_key"):
+        body["cache_key"] = summary["cache_key"]
+    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str))
+
+
+# ---- generation ---------------------------------------------------------------------------------
+def _admit(state: ServerState) -> None:
+    if state.draining:
+        raise APIError(503, "server is shutting down", code="shutting_down")
+    if not state.engine.is_ready:
+        raise APIError(503, f"not ready: {state.engine.reason}", code="not_ready")
+    waiting = state.engine.num_waiting()
+    if waiting >= state.max_waiting:
+        raise APIError(
+            429,
+            f"too many waiting requests ({waiting} >= --max-waiting {state.max_waiting}); retry later",
+            code="rate_limit_exceeded",
+        )
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    return parse_json(await request.read())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    _admit(state)
+    req = completion_request(
+        await _body(request),
+        state.tokenizer,
+        state.served_model_name,
+        state.max_model_len,
+        state.vocab_size,
+    )
+    return await _serve(request, state, req, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    _admit(state)
+    req = chat_request(
+        await _body(request), state.tokenizer, state.served_model_name, state.max_model_len
+    )
+    return await _serve(request, state, req, chat=True)
+
+
+async def _serve(
+    request: web.Request, state: ServerState, req: GenerationRequest, chat: bool
+) -> web.StreamResponse:
+    request_id = new_request_id("chatcmpl" if chat else "cmpl")
+    endpoint = "chat" if chat else "completions"
+    assert state.tokenizer is not None
+    gen = generate(state.engine, state.tokenizer, state.metrics, req, request_id, endpoint)
+    fmt = _Formatter(state.tokenizer, request_id, req, chat)
+    async with aclosing(gen):
+        if not req.stream:
+            deltas = [d async for d in gen]
+            return web.json_response(fmt.full(deltas))
+        # Pull the first delta before committing to 200, so an engine refusal is still a 4xx.
+        first = await anext(gen)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        try:
+            if chat:
+                await resp.write(_sse(fmt.chunk(Delta(text=""), role=True)))
+            delta: Delta | None = first
+            last = first
+            while delta is not None:
+                last = delta
+                if delta.text or delta.finish_reason or (req.logprobs and delta.token_ids):
+                    await resp.write(_sse(fmt.chunk(delta)))
+                delta = await anext(gen, None)
+            if req.include_usage:
+                await resp.write(_sse(fmt.usage_chunk(last)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            logger.info("client of %s went away; its sequence is aborted", request_id)
+        except APIError as exc:  # after the 200 went out: report in-band, as OpenAI does
+            await resp.write(_sse(exc.body()) + b"data: [DONE]\n\n")
+        return resp
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Formatter:
+    """OpenAI response objects for completions and chat, streamed or whole."""
+
+    def __init__(
+        self, tokenizer: BaseTokenizer, request_id: str, req: GenerationRequest, chat: bool
+    ) -> None:
+        self.tok, self.id, self.req, self.chat = tokenizer, request_id, req, chat
+        self.created = int(time.time())
+
+    def _usage(self, d: Delta) -> dict[str, int]:
+        return {
+            "prompt_tokens": d.prompt_tokens,
+            "completion_tokens": d.completion_tokens,
+            "total_tokens": d.prompt_tokens + d.completion_tokens,
+        }
+
+    def _logprobs(
+        self, ids: list[int], lps: list[float] | None, offset: int = 0
+    ) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        lps = lps if lps is not None else [0.0] * len(ids)
+        tokens = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+        if self.chat:
+            return {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(tokens, lps, strict=False)
+                ]
+            }
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=False)],
+            "text_offset": offsets,
+        }
+
+    def full(self, deltas: list[Delta]) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        last = deltas[-1]
+        ids = [i for d in deltas for i in d.token_ids]
+        lps = (
+            [x for d in deltas for x in (d.logprobs or [])]
+            if any(d.logprobs for d in deltas)
+            else None
+        )
+        base = {
+            "id": self.id,
+            "created": self.created,
+            "model": self.req.model,
+            "usage": self._usage(last),
+        }
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(ids, lps),
+                "finish_reason": last.finish_reason,
+            }
+            return {**base, "object": "chat.completion", "choices": [choice]}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(ids, lps),
+            "finish_reason": last.finish_reason,
+        }
+        return {**base, "object": "text_completion", "choices": [choice]}
+
+    def chunk(self, d: Delta, role: bool = False) -> dict[str, Any]:
+        base = {"id": self.id, "created": self.created, "model": self.req.model}
+        if self.chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": d.text} if d.text else {})
+            )
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None if role else self._logprobs(d.token_ids, d.logprobs),
+                "finish_reason": d.finish_reason,
+            }
+            return {**base, "object": "chat.completion.chunk", "choices": [choice]}
+        choice = {
+            "index": 0,
+            "text": d.text,
+            "logprobs": self._logprobs(d.token_ids, d.logprobs),
+            "finish_reason": d.finish_reason,
+        }
+        return {**base, "object": "text_completion", "choices": [choice]}
+
+    def usage_chunk(self, last: Delta) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [],
+            "usage": self._usage(last),
+        }

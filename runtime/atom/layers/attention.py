@@ -1,0 +1,90 @@
+"""Paged attention: the `Attention` module and the registered split op.
+
+The model calls `torch.ops.aiter.unified_attention_with_output(q, k, v, output, layer_id)`.
+Dynamo sees one opaque node (the split point of piecewise compilation); the impl runs
+eagerly, finds its layer (KV cache, heads, scale) in the forward context, writes this step's
+keys and values into the cache and attends over it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+from atom.utils.custom_register import direct_register_custom_op
+from atom.utils.forward_context import AttentionMetaData, get_forward_context
+from atom.utils.region_graph import eager_region
+
+
+class Attention(nn.Module):
+    """Holds one layer's KV cache; forward hands q/k/v to the registered op."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 layer_id: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_id = layer_id
+        # Plain attributes, not buffers: the model runner allocates them after profiling,
+        # and the forward never touches them (the op reads them through the forward context).
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        get_forward_context().no_compile_layers[layer_id] = self
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        output = torch.empty_like(q)
+        torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id)
+        return output
+
+
+def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            output: torch.Tensor, meta: AttentionMetaData) -> None:
+    if q.is_cuda:
+        from atom.kernels import triton_attention as tk
+
+        tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        if meta.max_seqlen_q == 1 and meta.extra.get("decode", True):
+            tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
+                                       meta.block_tables, layer.scale, layer.num_heads)
+            return
+        if meta.num_rows < q.shape[0]:
+            output[meta.num_rows:].zero_()  # padding rows belong to no sequence
+        tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
+                                    meta.context_lens, meta.block_tables, layer.scale,
+                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q)
+        return
+    write_kv_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+    paged_attention_torch(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
+                          meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
+
+
+@eager_region
+def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  output: torch.Tensor, layer_id: int) -> None:
+    ctx = get_forward_context()
+    layer = ctx.no_compile_layers[layer_id]
+    meta = ctx.attn_metadata
+    if isinstance(meta, dict):
+        meta = meta[str(layer_id)] if str(layer_id) in meta else next(iter(meta.values()))
+    if meta is None or layer.k_cache.numel() == 0:
+        # No cache yet (shape tracing, or a forward outside the engine): nothing to attend to.
+        output.zero_()
+        return
+    _attend(layer, q, k, v, output, meta)
+
+
+def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                       output: torch.Tensor, layer_id: int) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="unified_attention_with_output",
+    op_func=unified_attention_with_output,
+    mutates_args=["output"],
+    fake_impl=unified_attention_with_output_fake,
+    dispatch_key=("CPU", "CUDA"),
+)

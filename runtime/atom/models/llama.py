@@ -1,0 +1,168 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+One flat token dimension [T] for every step (prefill, decode or mixed): per-sequence
+structure lives only in the attention op's metadata, so the backbone traces as one graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.layers.attention import Attention
+from atom.layers.linear import Linear, MergedLinear
+from atom.layers.rmsnorm import RMSNorm
+from atom.layers.rotary import RotaryEmbedding
+from atom.models.registry import ModelConfig
+from atom.utils.decorators import support_torch_compile
+from atom.utils.region_graph import token_graph
+
+
+def _max_positions(atom_config: Any, hf_config: ModelConfig) -> int:
+    n = getattr(atom_config, "max_model_len", None) or hf_config.max_position_embeddings
+    return int(min(n, hf_config.max_position_embeddings) if n else hf_config.max_position_embeddings)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, max_positions: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size,
+                                                       "v": self.kv_size}, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, cfg.rope_theta,
+                                          cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              self.head_dim ** -0.5, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous())
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
+                                                           "up": cfg.intermediate_size},
+                                         bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, max_positions: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, max_positions)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@token_graph
+@support_torch_compile
+class LlamaModel(nn.Module):
+    """The compiled backbone: embeddings, decoder layers, final norm."""
+
+    def __init__(self, *, atom_config: Any, hf_config: ModelConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = hf_config
+        max_positions = _max_positions(atom_config, hf_config)
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, max_positions) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, atom_config: Any, hf_config: ModelConfig) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(atom_config=atom_config, hf_config=hf_config)
+        self.tie_word_embeddings = hf_config.tie_word_embeddings
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def attention_layers(self) -> dict[int, Attention]:
+        return {layer.self_attn.attn.layer_id: layer.self_attn.attn for layer in self.model.layers}
+
+    def hf_weight_targets(self) -> dict[str, torch.Tensor]:
+        """Hugging Face tensor name -> the tensor (or merged-weight view) it is copied into."""
+        out: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.model.embed_tokens.weight.data,
+            "model.norm.weight": self.model.norm.weight.data,
+        }
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight.data
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for shard in ("q", "k", "v"):
+                for kind, view in attn.qkv_proj.shard_views(shard).items():
+                    out[f"{p}self_attn.{shard}_proj.{kind}"] = view
+            out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+            if attn.o_proj.bias is not None:
+                out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
+            if attn.qk_norm:
+                out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight.data
+                out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
+            for shard in ("gate", "up"):
+                for kind, view in mlp.gate_up_proj.shard_views(shard).items():
+                    out[f"{p}mlp.{shard}_proj.{kind}"] = view
+            out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+            if mlp.down_proj.bias is not None:
+                out[f"{p}mlp.down_proj.bias"] = mlp.down_proj.bias.data
+            out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
+            out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+        return out
+
+
+# Hugging Face architecture names -> our class (all share the Llama decoder).
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}

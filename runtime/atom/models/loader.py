@@ -1,0 +1,145 @@
+"""Build a model and fill its weights: safetensors (single file or sharded) or dummy random.
+
+Tensor names are Hugging Face's; the model says where each one goes (`hf_weight_targets`).
+Every expected tensor is checked against the checkpoint's headers before anything is copied,
+so a missing or misshapen tensor fails fast with its name, file and shapes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from atom.models.llama import LlamaForCausalLM
+from atom.models.registry import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "half": torch.float16,
+          "float": torch.float32}
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not match the model built from its config."""
+
+
+def resolve_dtype(dtype: str, hf_config: ModelConfig) -> torch.dtype:
+    """'auto' takes the checkpoint's torch_dtype (bf16 when it has none)."""
+    if dtype == "auto":
+        dtype = hf_config.torch_dtype or "bfloat16"
+        if dtype == "float32" and torch.cuda.is_available():
+            dtype = "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(sorted(DTYPES))})")
+    return DTYPES[dtype]
+
+
+def safetensors_files(path: str) -> dict[str, str]:
+    """Tensor name -> file, from model.safetensors.index.json or the *.safetensors files."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        out = {}
+        for name, fname in weight_map.items():
+            full = os.path.join(path, fname)
+            if not os.path.isfile(full):
+                raise WeightLoadError(f"{index} maps tensor {name!r} to {fname!r}, which does not exist")
+            out[name] = full
+        return out
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {path!r} (use --load-format dummy for random weights)")
+    out = {}
+    for full in files:
+        with safe_open(full, framework="pt") as f:
+            for name in f.keys():
+                out[name] = full
+    return out
+
+
+def _check_shapes(targets: dict[str, torch.Tensor], where: dict[str, str]) -> None:
+    missing = [name for name in targets if name not in where]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise WeightLoadError(f"checkpoint is missing tensor(s): {shown}")
+    by_file: dict[str, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(where[name], []).append(name)
+    for fname, names in by_file.items():
+        with safe_open(fname, framework="pt") as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                want = tuple(targets[name].shape)
+                if shape != want:
+                    raise WeightLoadError(
+                        f"tensor {name!r} in {os.path.basename(fname)} has shape {list(shape)}, "
+                        f"the model expects {list(want)}"
+                    )
+
+
+def load_safetensors(model: LlamaForCausalLM, path: str) -> int:
+    """Copy every expected tensor into the model; returns how many were loaded."""
+    targets = model.hf_weight_targets()
+    where = safetensors_files(path)
+    _check_shapes(targets, where)
+    by_file: dict[str, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(where[name], []).append(name)
+    with torch.no_grad():
+        for fname, names in by_file.items():
+            with safe_open(fname, framework="pt") as f:
+                for name in names:
+                    dst = targets[name]
+                    dst.copy_(f.get_tensor(name).to(device=dst.device, dtype=dst.dtype))
+    unused = sorted(set(where) - set(targets) - {"lm_head.weight"})
+    if unused:
+        logger.info("ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0])
+    return len(targets)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights with a sane scale (finite logits in bf16); norms stay at one."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                # Generated on the parameter's device: a 1B model in seconds on a GPU.
+                gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
+    """Construct on the config's device and dtype, then load or randomise the weights."""
+    dtype = resolve_dtype(config.dtype, hf_config)
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    load_format = getattr(config, "load_format", "auto")
+    if load_format == "auto":
+        load_format = "safetensors" if hf_config.path else "dummy"
+    if load_format == "safetensors" and not hf_config.path:
+        raise WeightLoadError(
+            f"model {hf_config.name!r} is a built-in shape without weights: use --load-format dummy"
+        )
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config, hf_config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, getattr(config, "seed", 0))
+    else:
+        load_safetensors(model, hf_config.path)
+    return model.eval()

@@ -1,0 +1,1 @@
+"""atom-router: the prefill/decode proxy of a disaggregated AtomDeployment."""

@@ -1,0 +1,234 @@
+"""The chart without a cluster: lint, rendered objects, schema refusals, the CRD copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chartutil import CHART, ROOT, Runner, kube_version
+
+RELEASE = "atom"
+NAMESPACE = "atom-system"
+
+
+def render(run: Runner, helm: str, *args: str, crds: bool = False) -> list[dict[str, Any]]:
+    cmd = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    cmd += ["--kube-version", kube_version(), *args]
+    if crds:
+        cmd.append("--include-crds")
+    out = run(cmd).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(docs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_chart_crd_is_the_generated_crd() -> None:
+    generated = ROOT / "crds" / "atomdeployment.yaml"
+    copy = CHART / "crds" / "atomdeployment.yaml"
+    assert copy.read_bytes() == generated.read_bytes(), (
+        "charts/atom-operator/crds/atomdeployment.yaml is stale: "
+        "cp crds/atomdeployment.yaml charts/atom-operator/crds/"
+    )
+
+
+@pytest.mark.parametrize(
+    "values", [[], ["--set", "scope=namespaced"]], ids=["cluster", "namespaced"]
+)
+def test_helm_lint_is_clean(run_offline: Runner, helm_bin: str, values: list[str]) -> None:
+    result = run_offline(
+        [helm_bin, "lint", str(CHART), "--strict", "--kube-version", kube_version(), *values]
+    )
+    assert "0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+def test_operator_pod_is_locked_down(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    (deployment,) = by_kind(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 1  # Kopf standalone: one handler of each event
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    container = operator_container(docs)
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+    (port,) = container["ports"]
+    assert (
+        port["containerPort"] == 8080
+        and port["name"] == container["livenessProbe"]["httpGet"]["port"]
+    )
+    assert set(container["resources"]) == {"requests", "limits"}
+    assert pod["serviceAccountName"] == by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+
+
+def test_values_reach_the_operator_environment(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(
+        run_offline,
+        helm_bin,
+        "--set", "operator.logLevel=DEBUG",
+        "--set", "runtime.image.repository=registry.example.com/atom-runtime",
+        "--set", "runtime.image.tag=1.2.3",
+        "--set", "operator.image.tag=9.9.9",
+        "--set", "operator.reconcileInterval=15",
+        "--set", "operator.resources.limits.memory=1Gi",
+    )  # fmt: skip
+    container = operator_container(docs)
+    env = env_of(container)
+    assert env["ATOM_OPERATOR_LOG_LEVEL"] == "DEBUG"
+    assert env["ATOM_OPERATOR_DEFAULT_IMAGE"] == "registry.example.com/atom-runtime:1.2.3"
+    assert env["ATOM_OPERATOR_RECONCILE_INTERVAL"] == "15"
+    assert env["ATOM_OPERATOR_NAMESPACES"] == ""  # cluster scope: all namespaces
+    assert container["image"].endswith(":9.9.9")
+    assert container["resources"]["limits"]["memory"] == "1Gi"
+
+
+def test_image_tags_default_to_app_version(run_offline: Runner, helm_bin: str) -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    container = operator_container(render(run_offline, helm_bin))
+    assert container["image"].endswith(f":{app_version}")
+    assert env_of(container)["ATOM_OPERATOR_DEFAULT_IMAGE"].endswith(f":{app_version}")
+
+
+def rules_of(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in doc["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_cluster_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    (role,) = by_kind(docs, "ClusterRole")
+    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    rules = rules_of(role)
+    assert ("atom.dev", "atomdeployments/status", "patch") in rules
+    assert ("apps", "deployments", "create") in rules
+    assert ("", "namespaces", "watch") in rules
+    assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in rules
+    # Least privilege: the operator neither writes its users' specs wholesale nor reads secrets.
+    assert not any(resource == "secrets" for _, resource, _ in rules)
+    assert ("atom.dev", "atomdeployments", "update") not in rules
+    assert not any("*" in item for rule in rules for item in rule)
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["namespace"] == NAMESPACE
+
+
+def test_namespaced_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(
+        run_offline,
+        helm_bin,
+        "--set",
+        "scope=namespaced",
+        "--set",
+        "watchNamespaces={team-a,team-b}",
+    )
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == [
+        "team-a",
+        "team-b",
+    ]
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    # Cluster-wide only what Kopf's discovery reads: CRDs and namespace names.
+    assert rules_of(cluster_role) == {
+        (group, resource, verb)
+        for group, resource in (
+            ("apiextensions.k8s.io", "customresourcedefinitions"),
+            ("", "namespaces"),
+        )
+        for verb in ("get", "list", "watch")
+    }
+    assert env_of(operator_container(docs))["ATOM_OPERATOR_NAMESPACES"] == "team-a,team-b"
+
+
+def test_namespaced_scope_defaults_to_the_release_namespace(
+    run_offline: Runner, helm_bin: str
+) -> None:
+    docs = render(run_offline, helm_bin, "--set", "scope=namespaced")
+    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == [NAMESPACE]
+    assert env_of(operator_container(docs))["ATOM_OPERATOR_NAMESPACES"] == NAMESPACE
+
+
+def test_crd_ships_in_crds_folder(run_offline: Runner, helm_bin: str) -> None:
+    without = render(run_offline, helm_bin)
+    with_crds = render(run_offline, helm_bin, crds=True)
+    assert not by_kind(without, "CustomResourceDefinition")  # not a template: never deleted
+    (crd,) = by_kind(with_crds, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "atomdeployments.atom.dev"
+
+
+def test_helm_test_hook(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    hooks = [d for d in docs if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    (pod,) = hooks
+    assert pod["kind"] == "Pod" and pod["spec"]["restartPolicy"] == "Never"
+    (service,) = by_kind(docs, "Service")
+    assert f"{service['metadata']['name']}.{NAMESPACE}.svc:8080/healthz" in str(pod["spec"])
+    assert render(run_offline, helm_bin, "--set", "tests.enabled=false") != docs
+
+
+BAD_VALUES = {
+    "enum": ("operator:\n  logLevel: LOUD\n", "logLevel"),
+    "typo": ("operatr:\n  logLevel: INFO\n", "operatr"),
+    "type": ("operator:\n  reconcileInterval: soon\n", "reconcileInterval"),
+    "scope": ("scope: everywhere\n", "scope"),
+    "quantity": ("operator:\n  resources:\n    limits:\n      memory: lots\n", "memory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_values_breaking_the_schema_are_refused(
+    run_offline: Runner, helm_bin: str, tmp_path: Path, case: str
+) -> None:
+    text, field = BAD_VALUES[case]
+    values = tmp_path / "bad.yaml"
+    values.write_text(text)
+    result = run_offline(
+        [
+            helm_bin,
+            "template",
+            RELEASE,
+            str(CHART),
+            "--kube-version",
+            kube_version(),
+            "-f",
+            str(values),
+        ],
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert field in result.stderr, result.stderr
+
+
+def test_watch_namespaces_need_namespaced_scope(run_offline: Runner, helm_bin: str) -> None:
+    result = run_offline(
+        [helm_bin, "template", RELEASE, str(CHART), "--kube-version", kube_version()]
+        + ["--set", "watchNamespaces={team-a}"],
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "watchNamespaces is only used with scope: namespaced" in result.stderr

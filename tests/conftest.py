@@ -1,0 +1,43 @@
+"""Shared fixtures: the session's local Kubernetes cluster, and the gpu marker's auto-skip."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from atom_operator.devcluster.cluster import LocalCluster
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if gpu_items:
+        import torch  # only when a gpu test is collected: keeps collection light otherwise
+
+        if not torch.cuda.is_available():
+            for item in gpu_items:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    """One real control plane (etcd, apiserver, controller-manager, scheduler, kwok) per session.
+
+    Missing binaries fail the tests with the provisioning message: never a skip.
+    """
+    from atom_operator.devcluster import ClusterError, LocalCluster, ProvisionError
+
+    try:
+        local = LocalCluster()
+        local.start()
+    except (ProvisionError, ClusterError) as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield local
+    finally:
+        local.stop()

@@ -1,0 +1,120 @@
+"""Start `atom-runtime serve` (or the router) as a real subprocess for the server and router tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_SERVER_ARGS = [
+    "--model",
+    "tiny-llama",
+    "--load-format",
+    "dummy",
+    "--level",
+    "0",
+    "--dtype",
+    "float32",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process serving HTTP on 127.0.0.1:port, with its output kept for failure messages."""
+
+    def __init__(self, args: Sequence[str], port: int, log_name: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{log_name}-{port}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_healthy(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"process exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.url} not healthy after {timeout_s}s:\n{self.log()}")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_server(*extra: str, port: int | None = None) -> Proc:
+    port = port or free_port()
+    return Proc(
+        [
+            "-m",
+            "atom.cli.main",
+            "serve",
+            *TINY_SERVER_ARGS,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra,
+        ],
+        port,
+        "atom-server",
+    )
+
+
+def start_router(prefill: Sequence[str], decode: Sequence[str], port: int | None = None) -> Proc:
+    port = port or free_port()
+    return Proc(
+        [
+            "-m",
+            "atom.router.main",
+            "--prefill",
+            *prefill,
+            "--decode",
+            *decode,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        port,
+        "atom-router",
+    )

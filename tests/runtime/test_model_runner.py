@@ -1,0 +1,136 @@
+"""ModelRunner: persistent input buffers, padding, dummy batches, the graph-runner hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.config import Config
+from atom.engine import LLMEngine, SamplingParams
+from atom.engine.sequence import Sequence
+from atom.utils.forward_context import get_forward_context, reset_forward_context
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(Config(model="tiny-qwen3", load_format="dummy", dtype="float32", device="cpu",
+                            max_model_len=64, num_kv_blocks=32, max_num_seqs=8, seed=5))
+
+
+def _seqs(engine: LLMEngine, prompts: list[list[int]], decode: bool) -> list[Sequence]:
+    """Sequences with blocks; when decode, their prompt is already computed but the last token."""
+    out = []
+    for i, p in enumerate(prompts):
+        s = Sequence(str(i), p, SamplingParams())
+        engine.block_manager.grow(s, len(p))
+        s.num_computed_tokens = len(p) - 1 if decode else 0
+        s.num_scheduled_tokens = 1 if decode else len(p)
+        out.append(s)
+    return out
+
+
+def _free(engine: LLMEngine, seqs: list[Sequence]) -> None:
+    for s in seqs:
+        engine.block_manager.free(s)
+
+
+def _forward(engine: LLMEngine, prepared) -> torch.Tensor:
+    ids, _, meta, ctx = prepared
+    runner = engine.runner
+    runner.set_context(meta, ctx)
+    try:
+        with torch.inference_mode():
+            logits, _ = runner.run_model(ids)
+    finally:
+        reset_forward_context()
+    return logits
+
+
+def test_prefill_padding_rows(engine: LLMEngine) -> None:
+    seqs = _seqs(engine, [[1, 2, 3], [4, 5]], decode=False)
+    ids, pos, meta, ctx = engine.runner.prepare_inputs(seqs, True, pad_to_rows=8, pad_to_seqs=4)
+    assert ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert pos.tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert meta.slot_mapping[5:].tolist() == [-1, -1, -1]
+    assert meta.cu_seqlens_q.tolist() == [0, 3, 5, 5, 5]
+    assert meta.context_lens.tolist() == [3, 2, 0, 0]
+    assert (meta.num_seqs, meta.num_rows, meta.max_seqlen_q) == (2, 5, 3)
+    assert (ctx.is_prefill, ctx.batch_size, ctx.running_bs, ctx.running_tokens) == (True, 2, 4, 8)
+    b = engine.block_manager.block_size
+    assert meta.slot_mapping[:3].tolist() == [seqs[0].block_table[0] * b + i for i in range(3)]
+    _free(engine, seqs)
+
+
+def test_padded_decode_matches_unpadded_and_stays_in_place(engine: LLMEngine) -> None:
+    prompts = [[1, 9, 8, 7], [1, 3, 3, 3, 3, 3, 3]]
+    seqs = _seqs(engine, prompts, decode=False)
+    _forward(engine, engine.runner.prepare_inputs(seqs, True))  # fill the cache
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+        s.num_scheduled_tokens = 1
+    before = engine.runner.kv_cache.clone()
+    plain = _forward(engine, engine.runner.prepare_inputs(seqs, False))
+    ptrs = {k: v.data_ptr() for k, v in engine.runner.forward_vars.items()}
+    ids, pos, meta, ctx = engine.runner.prepare_inputs(seqs, False, pad_to_seqs=5)
+    assert meta.context_lens.tolist() == [4, 7, 0, 0, 0]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4, 5]
+    assert meta.slot_mapping.tolist()[2:] == [-1, -1, -1] and ids.shape[0] == 5
+    assert (ctx.batch_size, ctx.running_bs, ctx.running_tokens) == (2, 5, 5)
+    padded = _forward(engine, (ids, pos, meta, ctx))
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded[:2], plain)
+    # the same buffers every step (a recorded graph reads these addresses)
+    assert {k: v.data_ptr() for k, v in engine.runner.forward_vars.items()} == ptrs
+    # decode rewrote only the two real rows' slots (same values): padding wrote nothing
+    torch.testing.assert_close(engine.runner.kv_cache, before)
+    _free(engine, seqs)
+
+
+def test_dummy_decode_writes_only_the_reserved_block(engine: LLMEngine) -> None:
+    runner = engine.runner
+    runner.kv_cache[:, :, : runner.dummy_block].normal_()
+    before = runner.kv_cache.clone()
+    ids, pos, meta, ctx = runner.build_dummy_decode(4, q_len=2)
+    assert ids.shape[0] == 8 and meta.block_tables[:, 0].tolist() == [runner.dummy_block] * 4
+    logits = _forward(engine, (ids, pos, meta, ctx))
+    assert torch.isfinite(logits).all()
+    changed = (runner.kv_cache != before).flatten(3).any(-1)  # [2, layers, blocks]
+    assert changed[:, :, runner.dummy_block].all()
+    assert not changed[:, :, : runner.dummy_block].any()
+
+
+class _FakeGraphRunner:
+    def __init__(self, out: torch.Tensor | None) -> None:
+        self.out, self.calls = out, 0
+
+    def pad_sizes(self, runner, seqs, is_prefill):
+        return None, (None if is_prefill else 4)
+
+    def maybe_replay(self, runner, input_ids):
+        self.calls += 1
+        assert get_forward_context().context.running_bs == input_ids.shape[0]
+        return None if self.out is None else self.out[: input_ids.shape[0]]
+
+    def capture(self, runner):
+        return 1.5, [1, 2, 4]
+
+
+def test_graph_runner_hook(engine: LLMEngine) -> None:
+    runner = engine.runner
+    assert runner.capture_cudagraph() == (0.0, [])
+    hidden = torch.zeros(16, engine.hf_config.hidden_size)
+    hidden[:, 0] = 1.0
+    try:
+        runner.graph_runner = _FakeGraphRunner(hidden)
+        assert runner.capture_cudagraph() == (1.5, [1, 2, 4])
+        seqs = _seqs(engine, [[1, 2], [3, 4]], decode=True)
+        logits, sampled = runner.execute_model(seqs, is_prefill=False)
+        assert runner.graph_runner.calls == 1 and len(sampled) == 2
+        # replayed hidden states feed the logits
+        torch.testing.assert_close(logits, runner.model.compute_logits(hidden[:2]))
+        runner.graph_runner = _FakeGraphRunner(None)  # declines: eager
+        logits2, _ = runner.execute_model(seqs, is_prefill=False)
+        assert not torch.allclose(logits2, logits)
+        _free(engine, seqs)
+    finally:
+        runner.graph_runner = None
