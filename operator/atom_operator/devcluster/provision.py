@@ -84,6 +84,7 @@ def _publish(comp: Component, out: Path, reported: dict[str, str],
     shutil.rmtree(comp.bin_dir, ignore_errors=True)
     staging.rename(comp.bin_dir)
     comp.write_stamp(reported)
+    shutil.rmtree(out, ignore_errors=True)  # the copies in bin/ are the ones kept
 
 
 def install_kubernetes(go: str) -> None:

@@ -155,16 +155,15 @@ def _wrapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     if self._compile_attempted:
         # No transformed code was captured (should not happen): keep Dynamo's own dispatch.
         return self.compiled_callable(*args, **kwargs)
-    if not self.compiled_codes:
-        tensors = _bind_tensor_args(type(self).forward, self, args, kwargs)
-        if any(t.shape[0] < 2 for t in tensors):
-            # Dynamo specialises a dimension of size 0 or 1: compile on a batch >= 2.
-            logger.debug("batch < 2: running eagerly until a batch >= 2 can be compiled")
-            return self.forward(*args, **kwargs)
-        for t in tensors:
-            torch._dynamo.mark_dynamic(t, 0)
-        start_monitoring_torch_compile(self.atom_config)
-        torch._dynamo.eval_frame.remove_from_cache(self.original_code_object)
+    tensors = _bind_tensor_args(type(self).forward, self, args, kwargs)
+    if any(t.shape[0] < 2 for t in tensors):
+        # Dynamo specialises a dimension of size 0 or 1: compile on a batch >= 2.
+        logger.debug("batch < 2: running eagerly until a batch >= 2 can be compiled")
+        return self.forward(*args, **kwargs)
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, 0)
+    start_monitoring_torch_compile(self.atom_config)
+    torch._dynamo.eval_frame.remove_from_cache(self.original_code_object)
     self._compile_attempted = True
     self._compiling = True
     try:
