@@ -355,3 +355,34 @@ def test_copy_into_static_allows_narrower_trailing_dims() -> None:
     assert static.tolist() == [[1, 1, 1, 0], [1, 1, 1, 0]]
     with pytest.raises(ValueError):
         rg._copy_into_static([static], [torch.ones(2, 5, dtype=torch.int32)])
+
+
+def test_graph_pool_is_renewed_once_all_its_graphs_are_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator refuses captures into a pool whose graphs are all destroyed (use_count
+    0): graph_pool() must hand out a new pool then, and keep the pool while one graph lives."""
+    import gc
+    import itertools
+
+    ids = itertools.count(1)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(ids)))
+    monkeypatch.setattr(rg, "_pool", None)
+    monkeypatch.setattr(rg, "_pool_live", 0)
+    monkeypatch.setattr(rg, "_pool_used", False)
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph (weak-referenceable)
+        pass
+
+    p1 = rg.graph_pool()
+    assert rg.graph_pool() == p1  # unused: kept
+    g1, g2 = Graph(), Graph()
+    rg._track_graph(g1, p1)
+    rg._track_graph(g2, p1)
+    del g1
+    gc.collect()
+    assert rg.graph_pool() == p1  # g2 still holds it
+    del g2
+    gc.collect()
+    p2 = rg.graph_pool()
+    assert p2 != p1
+    rg._track_graph(Graph(), p1)  # a graph of the old pool does not count for the new one
+    assert rg.graph_pool() == p2

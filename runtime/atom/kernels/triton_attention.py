@@ -183,8 +183,13 @@ def _decode_reduce_kernel(out_ptr, part_o_ptr, part_ml_ptr, stride_o,
 
 
 # Enough programs to fill a large GPU; below that, a row's blocks are split across programs.
-_TARGET_PROGRAMS = 512
-_MAX_SPLITS = 16
+# The split count may not depend on the step's context lengths (graph capture), so it is sized
+# for the block-table width: splits past a sequence's last block exit at once, and small
+# splits keep the sequential loop of each program short (batch 1 on a 1B model: 8 kv heads
+# would otherwise leave 8 programs walking the whole context).
+_TARGET_PROGRAMS = 4096
+_MIN_BLOCKS_PER_SPLIT = 2
+_MAX_SPLITS = 128
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -216,7 +221,8 @@ def decode_num_splits(rows: int, num_kv_heads: int, table_width: int) -> int:
     programs = rows * num_kv_heads
     if programs >= _TARGET_PROGRAMS:
         return 1
-    return max(1, min(_MAX_SPLITS, table_width, triton.cdiv(_TARGET_PROGRAMS, programs)))
+    return max(1, min(_MAX_SPLITS, triton.cdiv(table_width, _MIN_BLOCKS_PER_SPLIT),
+                      triton.cdiv(_TARGET_PROGRAMS, programs)))
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

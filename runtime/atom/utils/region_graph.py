@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, overload
@@ -54,14 +55,41 @@ class SegmentRecorder(Protocol):
 
 
 _pool: Any = None
+_pool_live = 0  # graphs recorded into _pool that are still alive
+_pool_used = False
 
 
 def graph_pool() -> Any:
-    """The one memory pool every ReqGraph and TokenGraph records into."""
-    global _pool
-    if _pool is None:
+    """The one memory pool every ReqGraph and TokenGraph records into.
+
+    Once every graph recorded into a pool is gone, the caching allocator no longer accepts
+    captures into it (it asserts use_count > 0): a new pool is started then, e.g. when a
+    re-capture drops the old recordings before recording new ones.
+    """
+    global _pool, _pool_live, _pool_used
+    if _pool is None or (_pool_used and _pool_live == 0):
         _pool = torch.cuda.graph_pool_handle()
+        _pool_live, _pool_used = 0, False
     return _pool
+
+
+def _track_graph(graph: Any, pool: Any) -> None:
+    """Count a graph holding the shared pool until it is garbage."""
+    global _pool_live, _pool_used
+    if pool != _pool:
+        return
+    try:
+        weakref.finalize(graph, _untrack_graph, pool)
+    except TypeError:  # not weak-referenceable: keep the pool for the process's lifetime
+        return
+    _pool_live += 1
+    _pool_used = True
+
+
+def _untrack_graph(pool: Any) -> None:
+    global _pool_live
+    if pool == _pool:
+        _pool_live -= 1
 
 
 _stream: Any = None
@@ -107,6 +135,7 @@ class CudaSegmentRecorder:
         self._graph = torch.cuda.CUDAGraph()
         pool = self.pool if self.pool is not None else graph_pool()
         self._graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        _track_graph(self._graph, pool)
 
     def end(self) -> Segment:
         graph, self._graph = self._graph, None
