@@ -200,4 +200,14 @@ def test_gpu_bf16_greedy_matches_transformers(checkpoint) -> None:
     for prompt, out in zip(PROMPTS, outs, strict=True):
         with torch.no_grad():
             gen = _hf_greedy(hf, torch.tensor([prompt], device="cuda"), n_new)
-        assert out == gen[0, len(prompt):].tolist()
+        ref_new = gen[0, len(prompt):].tolist()
+        if out == ref_new:
+            continue
+        # bf16 greedy on random weights meets near-ties: a divergence is accepted only where
+        # transformers itself scores our token within the logit tolerance above (twice 3e-2,
+        # both sides round) of its own choice; the continuations differ after that.
+        i = next(j for j, (a, b) in enumerate(zip(out, ref_new, strict=True)) if a != b)
+        with torch.no_grad():
+            step = hf(torch.tensor([prompt + ref_new[:i]], device="cuda")).logits[0, -1].float()
+        gap = (step[ref_new[i]] - step[out[i]]).item()
+        assert gap <= 6e-2, f"token {i}: ours {out[i]} is {gap:.3f} below transformers' {ref_new[i]}"
