@@ -56,6 +56,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+async def _sse_lines(response: httpx.Response):
+    """SSE lines split at CR/LF only (str.splitlines would also split at U+0085, U+2028)."""
+    buf = ""
+    async for text in response.aiter_text():
+        buf += text
+        *lines, buf = buf.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        for line in lines:
+            yield line
+    if buf:
+        yield buf
+
+
 async def one_request(
     client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
 ) -> RequestResult:
@@ -76,7 +88,7 @@ async def one_request(
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return result
-            async for line in r.aiter_lines():
+            async for line in _sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 choice = json.loads(line[6:])["choices"]

@@ -232,7 +232,9 @@ async def _serve(
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    # ASCII-escaped: a raw U+0085 or U+2028 in generated text is legal SSE, but clients that
+    # split lines with str.splitlines() (httpx's aiter_lines) would cut the event there.
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 class _Formatter:
