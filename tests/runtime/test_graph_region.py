@@ -386,3 +386,67 @@ def test_graph_pool_is_renewed_once_all_its_graphs_are_gone(monkeypatch: pytest.
     assert p2 != p1
     rg._track_graph(Graph(), p1)  # a graph of the old pool does not count for the new one
     assert rg.graph_pool() == p2
+
+
+# ----------------------------------------------------------------- regions the bucket fixes
+
+
+def _inline_for_decode() -> bool:
+    ctx = get_forward_context().context
+    return ctx is not None and not ctx.is_prefill
+
+
+@rg.eager_region(inline_when=_inline_for_decode)
+def _shift_inline(h: torch.Tensor, out: torch.Tensor, layer_id: int) -> None:
+    md = get_forward_context().attn_metadata
+    out.copy_(h + md.slot_mapping.to(h.dtype)[:, None] + layer_id)
+
+
+direct_register_custom_op("shift_inline", _shift_inline, mutates_args=["out"],
+                          fake_impl=_shift_fake, target_lib=_lib, dispatch_key="CPU")
+
+
+class InlineStack(ToyStack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.layers):
+            h = x * 2
+            out = torch.empty_like(h)
+            torch.ops.atomgraphtest.shift_inline(h, out, i)
+            x = out
+        return x * 3 + 19
+
+
+@rg.token_graph
+class InlineUnit(Unit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = InlineStack(layers=2)
+
+
+def test_region_inlined_for_decode_serves_decode_only_and_takes_live_metadata() -> None:
+    unit = InlineUnit()
+    tg = rg.token_graph_of(unit)
+    tg.recorder_factory = rg.CpuOpRecorder
+    recorded = counters.get("graphs_recorded")
+    static = {p: torch.arange(4) for p in ("decode", "prefill")}
+    for phase in ("decode", "prefill"):
+        with forward_context(attn_metadata=AttentionMetaData(slot_mapping=static[phase]),
+                             context=Context(is_prefill=phase == "prefill", batch_size=4),
+                             tr_graph="record"):
+            unit(torch.zeros(4, 3))
+    # The decode recording holds its regions inline, so the prefill pass records its own.
+    assert counters.get("graphs_recorded") - recorded == 2
+    dec, pre = tg.recording("decode", 4), tg.recording("prefill", 4)
+    assert dec is not pre
+    assert len(dec.segments) == 1 and not dec.regions and dec.static_metadata is not None
+    assert len(pre.segments) == 3 and len(pre.regions) == 2 and not pre.static_metadata
+
+    live = torch.tensor([9, 3, -1, 4])
+    x = torch.randn(4, 3)
+    runs = counters.get("eager_region_runs")
+    with forward_context(attn_metadata=AttentionMetaData(slot_mapping=live),
+                         context=Context(is_prefill=False, batch_size=4), tr_graph="replay"):
+        got = unit(x)
+    assert static["decode"].tolist() == live.tolist()  # live metadata copied to the recorded address
+    assert counters.get("eager_region_runs") == runs  # nothing ran between segments
+    torch.testing.assert_close(got, _expected(x, live.float(), 2))

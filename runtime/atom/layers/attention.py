@@ -61,7 +61,25 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
 
 
-@eager_region
+def _launch_fixed_by_bucket() -> bool:
+    """A pure decode step on CUDA: the store and split-K decode launches depend only on the
+    padded rows and static shapes (never on context lengths), so a token graph records the
+    op inline, as a request graph does, instead of breaking there. Prefill launches are
+    sized by the step's sequences: those stay eager regions."""
+    fctx = get_forward_context()
+    meta = fctx.attn_metadata
+    return (
+        fctx.context is not None
+        and not fctx.context.is_prefill  # a prefill recording must replay live prefill launches
+        and isinstance(meta, AttentionMetaData)
+        and meta.slot_mapping is not None
+        and meta.slot_mapping.is_cuda
+        and meta.max_seqlen_q == 1
+        and bool(meta.extra.get("decode", True))
+    )
+
+
+@eager_region(inline_when=_launch_fixed_by_bucket)
 def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   output: torch.Tensor, layer_id: int) -> None:
     ctx = get_forward_context()

@@ -182,6 +182,10 @@ class Recording:
     static_inputs: tuple[Any, ...] = ()
     output: Any = None
     num_tokens: int = 0
+    # Set when regions were recorded inline (a ReqGraph, or a token graph whose regions the
+    # bucket fixed): the metadata tensors they read, by AttentionMetaData field name. Replay
+    # copies the live step's metadata there, since no eager call reads it afresh.
+    static_metadata: dict[str, torch.Tensor] | None = None
 
     _calls: list[Callable[[], Any]] | None = None
 
@@ -200,6 +204,10 @@ class Recording:
     def replay(self, inputs: Sequence[Any] = ()) -> Any:
         if inputs:
             _copy_into_static(self.static_inputs, inputs)
+        if self.static_metadata:
+            live = _tensor_fields(get_forward_context().attn_metadata)
+            names = [n for n in self.static_metadata if n in live]
+            _copy_into_static([self.static_metadata[n] for n in names], [live[n] for n in names])
         for call in self._calls or self._schedule():
             call()  # a region reads the live forward context
         if self.regions:
@@ -215,6 +223,7 @@ class _ActiveRecording:
         self.breakable = breakable
         self.rec = Recording()
         self.open = False
+        self.inlined = False  # a region ran inside a segment (see eager_region's inline_when)
 
     def begin(self) -> None:
         self.recorder.begin()
@@ -298,6 +307,9 @@ def record(
             dst.copy_(out)
             out = dst
         state.end()
+        if not breakable or state.inlined:
+            rec_md = _tensor_fields(get_forward_context().attn_metadata)
+            state.rec.static_metadata = rec_md
     finally:
         _active = None
         recorder.exit()
@@ -342,8 +354,20 @@ def _copy_into_static(static: Sequence[Any], live: Sequence[Any]) -> None:
 # --------------------------------------------------------------------------- eager regions
 
 
-def eager_region(fn: F) -> F:
+@overload
+def eager_region(fn: F, *, inline_when: Callable[[], bool] | None = None) -> F: ...
+@overload
+def eager_region(
+    fn: None = None, *, inline_when: Callable[[], bool] | None = None
+) -> Callable[[F], F]: ...
+
+
+def eager_region(fn: Any = None, *, inline_when: Callable[[], bool] | None = None) -> Any:
     """Declare an op impl that runs eagerly between token-graph segments.
+
+    inline_when, asked at record time, says the step's launches are fixed by its bucket (no
+    host data sizes them): the region is then recorded inside the segment, like a ReqGraph
+    records it, and the recording serves only the phase that recorded it.
 
     Outside a breakable recording the wrapper only calls fn (a ReqGraph captures it inline).
     During one, the segment ends here, fn runs, and a new segment begins; at replay fn is
@@ -352,15 +376,21 @@ def eager_region(fn: F) -> F:
     impl, so the break happens at every compilation level (the dispatcher calls the impl).
     """
 
+    if fn is None:
+        return lambda f: eager_region(f, inline_when=inline_when)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         state = _active
         if state is None or not state.breakable:
             return fn(*args, **kwargs)
+        if inline_when is not None and inline_when():
+            state.inlined = True
+            return fn(*args, **kwargs)
         return state.break_at(fn, args, kwargs)
 
     wrapper.__eager_region__ = True  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 # --------------------------------------------------------------------------- token graphs
@@ -407,13 +437,16 @@ class TokenGraph:
         """Record fn(*inputs) for its row count and phase; returns the forward's output."""
         n = _rows(inputs)
         key = self._key(phase, n)
-        if key in self._recordings:  # recorded by the other phase's pass: just claim it
+        shared = self._recordings.get(key)
+        if shared is not None and not shared.static_metadata:
+            # recorded by the other phase's pass with every region eager: just claim it
             self._phase_sizes[phase].add(n)
-            return self._recordings[key].output
+            return shared.output
         rec = record(
             fn, inputs, breakable=True, recorder=self.recorder_factory(), static_output=self.outputs
         )
-        self._recordings[key] = rec
+        # Regions recorded inline hold this phase's launches: the recording is this phase's.
+        self._recordings[(phase, n) if rec.static_metadata else key] = rec
         self._phase_sizes[phase].add(n)
         counters.inc("graphs_recorded")
         logger.debug(
@@ -425,7 +458,8 @@ class TokenGraph:
     def recording(self, phase: str, num_tokens: int) -> Recording:
         if not self.has(phase, num_tokens):
             raise KeyError(f"no {phase} token graph recorded for {num_tokens} rows")
-        return self._recordings[self._key(phase, num_tokens)]
+        own = self._recordings.get((phase, num_tokens))
+        return own if own is not None else self._recordings[self._key(phase, num_tokens)]
 
     def replay(self, inputs: Sequence[Any], phase: str) -> Any:
         rec = self.recording(phase, _rows(inputs))
@@ -526,12 +560,11 @@ class ReqGraph:
     ) -> Any:
         if key in self.graphs:
             raise ValueError(f"request bucket {key} already recorded")
-        md = get_forward_context().attn_metadata
         rec = record(
             fn, inputs, breakable=False, recorder=self.recorder_factory(), static_output=static_output
         )
         self.graphs[key] = rec
-        self.static_metadata[key] = _tensor_fields(md)
+        self.static_metadata[key] = rec.static_metadata or {}
         counters.inc("graphs_recorded")
         return rec.output
 
@@ -544,12 +577,7 @@ class ReqGraph:
 
     def replay(self, key: tuple[int, int], inputs: Sequence[Any] = ()) -> Any:
         """Copy the live step's inputs and metadata to the recorded addresses, then replay."""
-        rec = self.graphs[key]
-        live = _tensor_fields(get_forward_context().attn_metadata)
-        static = self.static_metadata[key]
-        names = [n for n in static if n in live]
-        _copy_into_static([static[n] for n in names], [live[n] for n in names])
-        out = rec.replay(inputs)
+        out = self.graphs[key].replay(inputs)  # copies live inputs and metadata in first
         counters.inc("graph_replays")
         return out
 
