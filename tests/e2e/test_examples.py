@@ -33,6 +33,10 @@ NAMESPACE = "atom-e2e-examples"
 RELEASE = "atom-e2e"
 SA_NAME = RELEASE + "-atom-operator"
 READY_TIMEOUT = 180
+# How a GitOps tool applies: server-side, under its own field manager.
+GITOPS_APPLY = (
+    "apply", "--server-side", "--field-manager=gitops", "--force-conflicts", "-n", NAMESPACE
+)
 
 
 def atomdeployments(path: Path) -> list[dict[str, Any]]:
@@ -196,19 +200,11 @@ def test_server_side_apply_twice_is_a_no_op(operator: LocalOperator, kubectl: Ku
     example = ROOT / "examples" / "atomdeployment.yaml"
     (manifest,) = atomdeployments(example)
     name = manifest["metadata"]["name"]
-    apply = (
-        "apply",
-        "--server-side",
-        "--field-manager=gitops",
-        "--force-conflicts",
-        "-n",
-        NAMESPACE,
-    )
-    kubectl(*apply, "-f", str(example))
+    kubectl(*GITOPS_APPLY, "-f", str(example))
     wait_ready(kubectl, name, NAMESPACE, timeout=READY_TIMEOUT)
     time.sleep(3)  # let a periodic reconcile pass: it must not change anything either
     before = _snapshot(kubectl, name)
-    out = kubectl(*apply, "-f", str(example), "-o", "yaml").stdout
+    out = kubectl(*GITOPS_APPLY, "-f", str(example), "-o", "yaml").stdout
     assert yaml.safe_load(out)["metadata"]["resourceVersion"] == before["resourceVersion"]
     time.sleep(3)
     after = _snapshot(kubectl, name)
@@ -221,20 +217,12 @@ def test_graph_mode_change_in_git_rolls_a_new_revision(
     example = ROOT / "examples" / "atomdeployment.yaml"
     (manifest,) = atomdeployments(example)
     name = manifest["metadata"]["name"]
-    apply = (
-        "apply",
-        "--server-side",
-        "--field-manager=gitops",
-        "--force-conflicts",
-        "-n",
-        NAMESPACE,
-    )
-    kubectl(*apply, "-f", str(example))
+    kubectl(*GITOPS_APPLY, "-f", str(example))
     wait_ready(kubectl, name, NAMESPACE, timeout=READY_TIMEOUT)
     before = _snapshot(kubectl, name)
     changed = yaml.safe_load(example.read_text())
     changed["spec"]["compilation"]["cudagraphMode"] = "FULL_DECODE_ONLY"
-    kubectl(*apply, "-f", "-", input=yaml.safe_dump(changed))
+    kubectl(*GITOPS_APPLY, "-f", "-", input=yaml.safe_dump(changed))
     obj = wait_ready(kubectl, name, NAMESPACE, timeout=READY_TIMEOUT)
     after = _snapshot(kubectl, name)
     assert after["generation"] == before["generation"] + 1
@@ -251,7 +239,7 @@ def test_graph_mode_change_in_git_rolls_a_new_revision(
     )
     assert obj["status"]["observedGeneration"] == after["generation"]
     # Back to what Git says in examples/: the next test run starts from the example again.
-    kubectl(*apply, "-f", str(example))
+    kubectl(*GITOPS_APPLY, "-f", str(example))
     wait_ready(kubectl, name, NAMESPACE, timeout=READY_TIMEOUT)
 
 

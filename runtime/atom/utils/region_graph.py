@@ -308,8 +308,7 @@ def record(
             out = dst
         state.end()
         if not breakable or state.inlined:
-            rec_md = _tensor_fields(get_forward_context().attn_metadata)
-            state.rec.static_metadata = rec_md
+            state.rec.static_metadata = _tensor_fields(get_forward_context().attn_metadata)
     finally:
         _active = None
         recorder.exit()
@@ -548,8 +547,6 @@ class ReqGraph:
     def __init__(self, recorder_factory: Callable[[], SegmentRecorder] | None = None) -> None:
         self.recorder_factory = recorder_factory or CudaSegmentRecorder
         self.graphs: dict[tuple[int, int], Recording] = {}
-        # Metadata tensors the recording read, by AttentionMetaData field name.
-        self.static_metadata: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def record(
         self,
@@ -564,7 +561,6 @@ class ReqGraph:
             fn, inputs, breakable=False, recorder=self.recorder_factory(), static_output=static_output
         )
         self.graphs[key] = rec
-        self.static_metadata[key] = rec.static_metadata or {}
         counters.inc("graphs_recorded")
         return rec.output
 
