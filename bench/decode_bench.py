@@ -22,6 +22,8 @@ import json
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -113,8 +115,10 @@ def fill_batch(engine, batch: int, context: int) -> None:
             break
 
 
-def time_forward(engine, iters: int) -> float:
-    """ms per run_model on the next decode batch (prepared once, replayed/run iters times)."""
+@contextmanager
+def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
+    """(runner, input_ids, logits indices) of the next decode batch, prepared once with its
+    forward context set; on exit the sequences are un-scheduled (the next step takes them)."""
     from atom.utils.forward_context import reset_forward_context
 
     runner = engine.runner
@@ -124,24 +128,31 @@ def time_forward(engine, iters: int) -> float:
     pad = (None, None)
     if runner.graph_runner is not None:
         pad = runner.graph_runner.pad_sizes(runner, seqs, False)
-    with torch.inference_mode():
-        input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
-        idx = torch.arange(len(seqs), device=runner.device)
-        runner.set_context(meta, context)
-        try:
-            for _ in range(3):
-                runner.run_model(input_ids, idx)
-            _sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                runner.run_model(input_ids, idx)
-            _sync()
-            ms = (time.perf_counter() - t0) / iters * 1e3
-        finally:
-            reset_forward_context()
-    for s in seqs:  # un-schedule: the engine's next step schedules them again
-        s.num_scheduled_tokens = 0
-    return ms
+    try:
+        with torch.inference_mode():
+            input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
+            idx = torch.arange(len(seqs), device=runner.device)
+            runner.set_context(meta, context)
+            try:
+                yield runner, input_ids, idx
+            finally:
+                reset_forward_context()
+    finally:
+        for s in seqs:
+            s.num_scheduled_tokens = 0
+
+
+def time_forward(engine, iters: int) -> float:
+    """ms per run_model on the next decode batch (prepared once, replayed/run iters times)."""
+    with prepared_decode(engine) as (runner, input_ids, idx):
+        for _ in range(3):
+            runner.run_model(input_ids, idx)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            runner.run_model(input_ids, idx)
+        _sync()
+        return (time.perf_counter() - t0) / iters * 1e3
 
 
 def time_steps(engine, steps: int) -> float:

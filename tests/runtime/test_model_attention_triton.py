@@ -56,7 +56,7 @@ def _run_case(name: str) -> None:
         # Padded decode: 2 extra sequences of context 0 must come out as zeros.
         b = random_paged_batch(q_lens=[1, 1, 1, 1], ctx_lens=[1, 16, 45, 120], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=2, pad_seqs=2,
-                               max_blocks=8, seed=dim)
+                               max_blocks=16, seed=dim)  # 4 key tiles of 64: room for 4 splits
     kc_ref, vc_ref = b.k_cache.clone(), b.v_cache.clone()
     write_kv_torch(b.k, b.v, kc_ref, vc_ref, b.slot_mapping)
     ref = torch.full_like(b.q, float("nan"))
@@ -112,11 +112,13 @@ def _aot_cases():
                           {"q_ptr": f"*{dt}", **cache, "out_ptr": f"*{dt}", "ctx_ptr": "*i32",
                            "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
                            "scale": "fp32", "stride_q": "i32", "stride_o": "i32", "stride_bt": "i32",
-                           "blocks_per_split": "i32", "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr",
-                           "GROUP_P2": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
-                           "BLOCK_SIZE": "constexpr", "Q_LEN": "constexpr", "NUM_SPLITS": "constexpr"},
-                          {"NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_P2": 4, "HEAD_DIM": 64, "BLOCK_D": 64,
-                           "BLOCK_SIZE": 16, "Q_LEN": 1, "NUM_SPLITS": splits}))
+                           "tiles_per_split": "i32", "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr",
+                           "BLOCK_H": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
+                           "BLOCK_SIZE": "constexpr", "TILE_N": "constexpr", "Q_LEN": "constexpr",
+                           "NUM_SPLITS": "constexpr", "PRECISION": "constexpr"},
+                          {"NUM_KV_HEADS": 8, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 64, "BLOCK_D": 64,
+                           "BLOCK_SIZE": 16, "TILE_N": 64, "Q_LEN": 1, "NUM_SPLITS": splits,
+                           "PRECISION": "ieee" if dt == "fp32" else None}))
         cases.append(("_decode_reduce_kernel",
                       {"out_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
                        "stride_o": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",

@@ -97,12 +97,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
                    part_o_ptr, part_ml_ptr,
-                   scale, stride_q, stride_o, stride_bt, blocks_per_split,
-                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                   scale, stride_q, stride_o, stride_bt, tiles_per_split,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """One program per (row, kv head, split): the split's share of the row's blocks.
+                   TILE_N: tl.constexpr, Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """One program per (row, kv head, split): the split's tiles of TILE_N keys of the row.
 
+    The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
+    BLOCK_H >= 16), so each key tile is read once per kv head; a tile gathers TILE_N keys across
+    several cache blocks, keeping many bytes in flight per loop step.
     NUM_SPLITS == 1 writes the output; otherwise partial (normalised output, max, sum) go to
     a workspace and _decode_reduce_kernel combines them (flash-decoding).
     """
@@ -112,52 +116,53 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
     seq = row // Q_LEN
     ctx = tl.load(ctx_ptr + seq)
     # Row j of a sequence's Q_LEN rows sits at position ctx - Q_LEN + j; ctx 0 (padding) gives
-    # kv_len <= 0, hence no blocks and a zero output (Q_LEN <= BLOCK_SIZE keeps the division >= 0).
+    # kv_len <= 0, hence no tiles and a zero output.
     kv_len = ctx - Q_LEN + (row % Q_LEN) + 1
-    offs_g = tl.arange(0, GROUP_P2)
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_SIZE)
-    g_mask = offs_g < GROUP
+    offs_n = tl.arange(0, TILE_N)
+    h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
+    heads = kv_head * GROUP + offs_h
     row64 = row.to(tl.int64)
     q = tl.load(q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     kv_row = NUM_KV_HEADS * HEAD_DIM
-    num_blocks = (kv_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    b_start = split * blocks_per_split
-    b_end = b_start + blocks_per_split
-    b_end = tl.where(b_end < num_blocks, b_end, num_blocks)
-    for b in range(b_start, b_end):
-        phys = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
-        kv_off = phys * BLOCK_SIZE * kv_row + kv_head * HEAD_DIM + offs_n[:, None] * kv_row + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale
-        k_pos = b * BLOCK_SIZE + offs_n
-        s = tl.where((k_pos < kv_len)[None, :], s, float("-inf"))
+    t_start = split * tiles_per_split * TILE_N
+    t_end = tl.minimum(t_start + tiles_per_split * TILE_N, kv_len)
+    for t in range(t_start, t_end, TILE_N):
+        tok = t + offs_n
+        t_mask = tok < kv_len
+        phys = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
+        slot = phys.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
+        kv_off = slot[:, None] * kv_row + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
         num_heads = NUM_KV_HEADS * GROUP
-        part = (row64 * num_heads + heads) * NUM_SPLITS + split  # [GROUP_P2]
+        part = (row64 * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o,
-                 mask=g_mask[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+                 mask=h_mask[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
 
 
 @triton.jit
@@ -182,14 +187,14 @@ def _decode_reduce_kernel(out_ptr, part_o_ptr, part_ml_ptr, stride_o,
              mask=offs_d < HEAD_DIM)
 
 
-# Enough programs to fill a large GPU; below that, a row's blocks are split across programs.
+# Enough programs to fill a large GPU; below that, a row's key tiles are split across programs.
 # The split count may not depend on the step's context lengths (graph capture), so it is sized
-# for the block-table width: splits past a sequence's last block exit at once, and small
+# for the block-table width: splits past a sequence's last tile exit at once, and small
 # splits keep the sequential loop of each program short (batch 1 on a 1B model: 8 kv heads
 # would otherwise leave 8 programs walking the whole context).
 _TARGET_PROGRAMS = 4096
-_MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 128
+_DECODE_TILE_N = 64  # keys per loop step: 4 cache blocks of 16
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -216,13 +221,12 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     )
 
 
-def decode_num_splits(rows: int, num_kv_heads: int, table_width: int) -> int:
-    """Splits per row: from static sizes only (padded rows, heads, block-table width)."""
+def decode_num_splits(rows: int, num_kv_heads: int, table_tiles: int) -> int:
+    """Splits per row: from static sizes only (padded rows, heads, key tiles of the table)."""
     programs = rows * num_kv_heads
     if programs >= _TARGET_PROGRAMS:
         return 1
-    return max(1, min(_MAX_SPLITS, triton.cdiv(table_width, _MIN_BLOCKS_PER_SPLIT),
-                      triton.cdiv(_TARGET_PROGRAMS, programs)))
+    return max(1, min(_MAX_SPLITS, table_tiles, triton.cdiv(_TARGET_PROGRAMS, programs)))
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -237,9 +241,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
     group = num_heads // num_kv_heads
-    width = block_tables.shape[1]
-    splits = num_splits or decode_num_splits(rows, num_kv_heads, width)
-    block_d = triton.next_power_of_2(head_dim)
+    tiles = triton.cdiv(block_tables.shape[1] * block_size, _DECODE_TILE_N)
+    splits = min(num_splits or decode_num_splits(rows, num_kv_heads, tiles), tiles)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         part_o = torch.empty(rows * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(rows * num_heads * splits * 2, dtype=torch.float32, device=q.device)
@@ -247,9 +251,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_ml = out  # unused
     _decode_kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, out, context_lens, block_tables, part_o, part_ml,
-        scale, q.stride(0), out.stride(0), block_tables.stride(0), triton.cdiv(width, splits),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, Q_LEN=q_len, NUM_SPLITS=splits,
+        scale, q.stride(0), out.stride(0), block_tables.stride(0), triton.cdiv(tiles, splits),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
+        Q_LEN=q_len, NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
     )
     if splits > 1:
         _decode_reduce_kernel[(rows, num_heads)](

@@ -35,7 +35,7 @@ class Attention(nn.Module):
         get_forward_context().no_compile_layers[layer_id] = self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        output = torch.empty_like(q)
+        output = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
         torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id)
         return output
 

@@ -57,8 +57,15 @@ class RotaryEmbedding(nn.Module):
         o2 = xf2 * cos + xf1 * sin
         return torch.cat((o1, o2), dim=-1).to(x.dtype).view(t, -1)
 
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self._cos_sin(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Rotate every head of a flat [T, n * head_dim] tensor (q and k side by side: one
+        kernel instead of one per tensor)."""
+        return self._rotate(heads, *self._cos_sin(positions))
