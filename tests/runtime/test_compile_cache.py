@@ -70,6 +70,7 @@ def test_cold_process_compiles_and_saves(cold_cache: tuple[str, dict[str, Any]])
     assert c["artifacts_saved"] == LAYERS + 1
     assert c["cache_misses"] == LAYERS + 1
     assert "artifacts_loaded" not in c
+    assert c["dynamo_traces_saved"] == 1
     local = cold["local_cache_dir"]
     assert local.startswith(cache_dir) and local.endswith(os.path.join("rank_0", "RandomToyModel"))
     files = os.listdir(local)
@@ -89,6 +90,38 @@ def test_warm_process_on_another_pod_loads_everything(cold_cache: tuple[str, dic
     assert c["artifacts_loaded"] == LAYERS + 1
     assert c["cache_hits"] == LAYERS + 1
     assert "pieces_compiled" not in c and "artifacts_saved" not in c
+    # The saved Dynamo trace was used: the backend never saw a new graph.
+    assert c["dynamo_traces_loaded"] == 1 and "graphs_compiled" not in c
+
+
+def test_corrupt_dynamo_trace_is_traced_again(cold_cache: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    src_dir, _ = cold_cache
+    cache_dir = str(tmp_path / "cache")
+    shutil.copytree(src_dir, cache_dir)
+    (entry,) = Path(cache_dir, "dynamo_traces").rglob("dynamo_trace.pkl")
+    entry.write_bytes(entry.read_bytes()[:100])
+    result, stderr = run_worker(cache_dir)
+    c = result["counters"]
+    assert result["ok"] and "unreadable" in stderr
+    assert c["graphs_compiled"] == 1 and "dynamo_traces_loaded" not in c
+    assert c["artifacts_loaded"] == LAYERS + 1 and "pieces_compiled" not in c
+    assert c["dynamo_traces_saved"] == 1  # rewritten: the next start skips Dynamo again
+    again, _ = run_worker(cache_dir)
+    assert again["counters"]["dynamo_traces_loaded"] == 1
+
+
+def test_dynamo_trace_is_dropped_when_a_traced_file_changes(tmp_path: Path) -> None:
+    from atom.utils import warm_start
+
+    source = tmp_path / "layer.py"
+    source.write_text("def f(x):\n    return x * 2\n")
+    entry = warm_start.TraceEntry(warm_start.ENTRY_VERSION, b"", ["L['x']"], [0], {}, 0, "h",
+                                  [str(source)], warm_start.files_hash([str(source)]))
+    path = str(tmp_path / "trace" / warm_start.ENTRY_FILE)
+    warm_start.save(path, entry)
+    assert warm_start.load(path) == entry
+    source.write_text("def f(x):\n    return x * 3\n")
+    assert warm_start.load(path) is None
 
 
 def test_disabled_cache_saves_nothing(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from atom.utils.compiler_interface import (
 )
 from atom.utils.counters import counters
 from atom.utils.cuda_piecewise_backend import PiecewiseBackend
+from atom.utils.warm_start import TracedGraph, WarmStartMiss, describe_trace, pickle_split_graph
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +360,7 @@ class VllmBackend:
         self.graph: fx.GraphModule | None = None
         self.piecewise_graphs: list[SplitItem] = []
         self._input_buffers: dict[int, torch.Tensor] = {}
+        self.traced: TracedGraph | None = None
 
     def configure_cache(self, graph: fx.GraphModule, example_inputs: list[Any]) -> None:
         from torch._guards import TracingContext
@@ -376,15 +378,21 @@ class VllmBackend:
             example_inputs=traced_inputs(graph),
             compiler_hash=self.compiler_manager.compute_hash(self.atom_config),
         )
-        root = cc.cache_dir or default_cache_root()
-        prefix = self.prefix if self.graph_count == 0 else f"{self.prefix}_{self.graph_count}"
-        self.local_cache_dir = os.path.join(root, self.hash_key, f"rank_{get_rank()}", prefix)
-        cc.local_cache_dir = self.local_cache_dir
-        self.compiler_manager.initialize_cache(self.local_cache_dir, cache_disabled(), prefix)
+        self._use_cache_dir()
         if not self.compiler_manager.disable_cache:
             # What the hash was computed from, to explain a miss.
             text = json.dumps(self.hash_factors, sort_keys=True, indent=1, default=str)
             atomic_write_bytes(os.path.join(self.local_cache_dir, "hash_factors.json"), text.encode())
+
+    def cache_root(self) -> str:
+        return self.compilation_config.cache_dir or default_cache_root()
+
+    def _use_cache_dir(self) -> None:
+        cc = self.compilation_config
+        prefix = self.prefix if self.graph_count == 0 else f"{self.prefix}_{self.graph_count}"
+        self.local_cache_dir = os.path.join(self.cache_root(), self.hash_key, f"rank_{get_rank()}", prefix)
+        cc.local_cache_dir = self.local_cache_dir
+        self.compiler_manager.initialize_cache(self.local_cache_dir, cache_disabled(), prefix)
 
     def __call__(self, graph: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         counters.inc("graphs_compiled")
@@ -398,24 +406,61 @@ class VllmBackend:
                 "stale state). Keep state in the forward context or use compilation level 0."
             )
         self.configure_cache(graph, example_inputs)
+        if not self.compiler_manager.disable_cache and self.compiler_manager.compiler.name == "inductor_standalone":
+            self.traced = describe_trace(graph)  # for a later warm start without Dynamo
         cc = self.compilation_config
         ops = list(cc.splitting_ops or []) if self.piecewise else []
         self.split_gm, self.piecewise_graphs = split_graph(graph, ops)
         counters.inc("pieces", len(self.piecewise_graphs))
         to_compile = [item.submod_name for item in self.piecewise_graphs if not item.is_splitting_graph]
+        if self.traced is not None:  # before compiled pieces replace the fx ones
+            self.traced.split_graph = pickle_split_graph(self.split_gm) or b""
+            self.traced.compile_order = to_compile
         PiecewiseCompileInterpreter(self.split_gm, to_compile, self.atom_config, self).run(*example_inputs)
         self.compiler_manager.save_to_file()
         self._save_graphs(graph)
         self.graph_count += 1
+        sym_indices = [
+            i
+            for i, x in enumerate(traced_inputs(graph))
+            if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
+        ]
+        return self._callable(sym_indices)
 
+    def from_trace(self, split_gm: fx.GraphModule, hash_key: str, dynamic_inputs: list[int],
+                   piece_sym_indices: dict[str, list[int]]) -> Callable:
+        """The compiled callable for a saved trace (atom.utils.warm_start): the split module
+        with every piece loaded from the artifact cache; a missing piece raises WarmStartMiss."""
+        if self.compiler_manager.compiler.name != "inductor_standalone":
+            raise WarmStartMiss("only standalone Inductor artifacts load without a trace")
+        self.hash_key = hash_key
+        self._use_cache_dir()
+        self.graph, self.split_gm = None, split_gm
+        names = list(piece_sym_indices)
+        for index, name in enumerate(names):
+            submod = getattr(split_gm, name)
+            general = self.compiler_manager.load(submod, [], index)
+            if general is None:
+                raise WarmStartMiss(f"piece {index} is not in the artifact cache")
+            counters.inc("cache_hits")
+            split_gm.__dict__[name] = PiecewiseBackend(
+                submod, self.atom_config, index, len(names), piece_sym_indices[name], general, self
+            )
+        counters.inc("pieces", sum(1 for _ in split_gm.children()))
+        self.graph_count += 1
+        return self._callable(dynamic_inputs)
+
+    def _callable(self, sym_indices: list[int]) -> Callable:
+        cc = self.compilation_config
         use_copy = (
             cc.cudagraph_copy_inputs
             and cc.level == CompilationLevel.PIECEWISE
             and cc.cudagraph_mode not in (None, CUDAGraphMode.NONE)
         )
+        assert self.split_gm is not None
         if not use_copy:
             return self.split_gm
-        return self._copy_inputs_wrapper(example_inputs)
+        return self._copy_inputs_wrapper(sym_indices)
 
     def _save_graphs(self, graph: fx.GraphModule) -> None:
         assert self.split_gm is not None
@@ -432,15 +477,9 @@ class VllmBackend:
             with open(os.path.join(dump, f"{self.prefix}_dynamo_graph.py"), "w") as f:
                 f.write(graph.print_readable(print_output=False))
 
-    def _copy_inputs_wrapper(self, example_inputs: list[Any]) -> Callable:
-        """Copy dynamic-size tensor inputs into static buffers so a captured graph always
-        reads the same addresses."""
-        # Dynamo hands real example tensors; the symbolic shapes are on the placeholders.
-        sym_indices = [
-            i
-            for i, x in enumerate(traced_inputs(self.graph))
-            if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
-        ]
+    def _copy_inputs_wrapper(self, sym_indices: list[int]) -> Callable:
+        """Copy dynamic-size tensor inputs (at sym_indices) into static buffers so a captured
+        graph always reads the same addresses."""
         split_gm = self.split_gm
         assert split_gm is not None
         floor = max(self.compilation_config.cudagraph_capture_sizes or [1])

@@ -24,7 +24,15 @@ from typing import Any, TypeVar
 import torch
 
 from atom.config import CompilationLevel, Config
-from atom.utils.backends import BufferMutationError, VllmBackend, debug_dump_dir
+from atom.utils import warm_start
+from atom.utils.backends import (
+    BufferMutationError,
+    VllmBackend,
+    cache_disabled,
+    debug_dump_dir,
+    get_rank,
+)
+from atom.utils.counters import counters
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +93,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         self._compiling = False
         self._compile_attempted = False
         self._dispatch_fn: Callable | None = None
+        self._warm_forward: Callable | None = None  # a saved trace in use (no Dynamo code)
         self._hook_handle = torch._dynamo.convert_frame.register_bytecode_hook(
             _bytecode_hook(weakref.ref(self))
         )
@@ -150,6 +159,8 @@ def _bind_tensor_args(forward: Callable, module: Any, args: tuple, kwargs: dict)
 def _wrapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     if self.do_not_compile or torch.compiler.is_compiling():
         return self.forward(*args, **kwargs)
+    if self._warm_forward is not None:
+        return self._warm_forward(self, args, kwargs)
     if self.compiled_codes and self.use_custom_dispatcher:
         return self._compiled_forward()(self, *args, **kwargs)
     if self._compile_attempted:
@@ -163,6 +174,14 @@ def _wrapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     for t in tensors:
         torch._dynamo.mark_dynamic(t, 0)
     start_monitoring_torch_compile(self.atom_config)
+    trace_path = _trace_entry_path(self, args, kwargs)
+    if trace_path is not None:
+        forward = _forward_from_saved_trace(self, trace_path)
+        if forward is not None:
+            self._warm_forward = forward
+            self._compile_attempted = True
+            end_monitoring_torch_compile(self.atom_config)
+            return forward(self, args, kwargs)
     torch._dynamo.eval_frame.remove_from_cache(self.original_code_object)
     self._compile_attempted = True
     self._compiling = True
@@ -178,9 +197,44 @@ def _wrapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     if self.compiled_codes and self.use_custom_dispatcher:
         self._check_compiled_code()
         end_monitoring_torch_compile(self.atom_config)
+        if trace_path is not None:
+            _save_trace(self, trace_path, args, kwargs, output)
     elif not self.compiled_codes:
         logger.warning("Dynamo produced no code for %s: guards stay on", type(self).__name__)
     return output
+
+
+def _trace_entry_path(self: Any, args: tuple, kwargs: dict) -> str | None:
+    """Where this forward's Dynamo trace is saved (None: the artifact cache is off)."""
+    backend = self.backend
+    if backend is None or not self.use_custom_dispatcher or cache_disabled():
+        return None
+    key = warm_start.pretrace_key(self, backend.prefix, args, kwargs)
+    return warm_start.entry_path(backend.cache_root(), key, get_rank(), backend.prefix)
+
+
+def _forward_from_saved_trace(self: Any, path: str) -> Callable | None:
+    entry = warm_start.load(path)
+    if entry is None:
+        return None
+    try:
+        compiled = self.backend.from_trace(warm_start.graph_of(entry), entry.hash_key,
+                                           entry.dynamic_inputs, entry.piece_sym_indices)
+    except Exception as exc:  # noqa: BLE001 - any failure: trace with Dynamo instead
+        logger.warning("saved Dynamo trace %s not used (%s); tracing again", path, exc)
+        return None
+    counters.inc("dynamo_traces_loaded")
+    logger.info("loaded the Dynamo trace of %s from %s (no tracing)", type(self).__name__, path)
+    return warm_start.make_forward(entry, compiled)
+
+
+def _save_trace(self: Any, path: str, args: tuple, kwargs: dict, output: Any) -> None:
+    try:
+        entry = warm_start.build_entry(self.backend, self, args, kwargs, output)
+        if entry is not None:
+            warm_start.save(path, entry)
+    except Exception as exc:  # noqa: BLE001 - the trace is an optimisation: never fatal
+        logger.warning("could not save the Dynamo trace to %s: %s", path, exc)
 
 
 def support_torch_compile(cls: _T | None = None) -> Any:
