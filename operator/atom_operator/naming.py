@@ -94,4 +94,10 @@ def role_service_name(instance: str, role: str, revision: str | None) -> str:
 
 
 def service_url(instance: str, namespace: str, role: str, revision: str | None) -> str:
-    return f"http://{role_service_name(instance, role, revision)}.{namespace}.svc:{HTTP_PORT}"
+    return f"http://{service_address(instance, namespace, role, revision)}"
+
+
+def service_address(instance: str, namespace: str, role: str, revision: str | None) -> str:
+    """`name.namespace.svc:port`: for a headless Service, a DNS name whose A records are the
+    ready pods (how atom-router finds each prefill and decode pod)."""
+    return f"{role_service_name(instance, role, revision)}.{namespace}.svc:{HTTP_PORT}"

@@ -401,8 +401,8 @@ def test_disaggregated_roll_moves_router_once_both_roles_are_ready(operator, kub
         args = router["spec"]["template"]["spec"]["containers"][0]["args"]
         pre, dec = args[args.index("--prefill") + 1], args[args.index("--decode") + 1]
         pre_rev, dec_rev = (
-            pre.split("//pd-prefill-")[1].split(".")[0],
-            dec.split("//pd-decode-")[1].split(".")[0],
+            pre.split("pd-prefill-")[1].split(".")[0],
+            dec.split("pd-decode-")[1].split(".")[0],
         )
         assert pre_rev == dec_rev, (pre, dec)
         samples.append((pre_rev, router["metadata"]["annotations"][naming.ANNOTATION_SERVING]))

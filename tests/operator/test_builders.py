@@ -110,8 +110,21 @@ def test_disaggregated_has_router_and_per_revision_services() -> None:
     ) in kinds
     router = next(o for o in p.apply if o["metadata"]["name"] == "demo-router")
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--prefill") + 1] == f"http://demo-prefill-{rev}.serving.svc:8000"
-    assert args[args.index("--decode") + 1] == f"http://demo-decode-{rev}.serving.svc:8000"
+    # DNS names of headless Services: the router resolves them to the revision's pods
+    assert args[args.index("--prefill") + 1] == f"demo-prefill-{rev}.serving.svc:8000"
+    assert args[args.index("--decode") + 1] == f"demo-decode-{rev}.serving.svc:8000"
+    # the router's own parser accepts them, as DNS names to resolve
+    from atom.router.main import build_parser
+    from atom.router.pool import parse_target
+
+    parsed = build_parser().parse_args(args)
+    assert parse_target(parsed.prefill[0]) == (None, f"demo-prefill-{rev}.serving.svc", 8000)
+    for role in ("prefill", "decode"):
+        objs = {o["kind"]: o for o in p.apply if o["metadata"]["name"] == f"demo-{role}-{rev}"}
+        assert objs["Service"]["spec"]["clusterIP"] == "None"
+        env = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+        kv_host = {"name": "ATOM_KV_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        assert kv_host in env
     endpoint = next(
         o for o in p.apply if o["kind"] == "Service" and o["metadata"]["name"] == "demo"
     )

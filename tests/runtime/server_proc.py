@@ -100,7 +100,9 @@ def start_server(*extra: str, port: int | None = None) -> Proc:
     )
 
 
-def start_router(prefill: Sequence[str], decode: Sequence[str], port: int | None = None) -> Proc:
+def start_router(
+    prefill: Sequence[str], decode: Sequence[str], *extra: str, port: int | None = None
+) -> Proc:
     port = port or free_port()
     return Proc(
         [
@@ -114,6 +116,7 @@ def start_router(prefill: Sequence[str], decode: Sequence[str], port: int | None
             "127.0.0.1",
             "--port",
             str(port),
+            *extra,
         ],
         port,
         "atom-router",

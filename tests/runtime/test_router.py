@@ -1,33 +1,42 @@
-"""atom-router: prefill then decode, round robin, streaming passthrough, aggregated health.
+"""atom-router against small recording backends in-process: prefill (KV handle) then decode,
+balancing by outstanding requests, health rotation, DNS names, and bounded failures.
 
-Routing logic is checked against small recording backends in-process; one end-to-end test runs
-the router process in front of real runtime servers with the openai client.
+test_disagg.py runs the router process in front of real runtime processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from aiohttp import web
-from server_proc import free_port, start_router, start_server
+from prometheus_client.parser import text_string_to_metric_families
 
-from atom.router.proxy import create_router_app
+from atom.router.pool import Pool, parse_target
+from atom.router.proxy import RouterSettings, create_router_app
+
+FAST = RouterSettings(health_interval=0.1, health_timeout=0.5, dns_interval=0.1, queue_timeout=0.5)
 
 
 class Backend:
-    """Records what it was sent; answers like a runtime instance, tagging text with its name."""
+    """Answers like a runtime instance: a prefill-mode request gets a KV handle, anything else
+    text tagged with the backend's name. Records every body it was sent."""
 
     def __init__(self, name: str, healthy: bool = True, reject: bool = False) -> None:
         self.name, self.healthy, self.reject = name, healthy, reject
         self.bodies: list[dict[str, Any]] = []
         self.disconnects = 0
+        self.step_s = 0.01
+        self.hang = False  # accept requests and never answer
+        self.hang_health = False
+        self.drop = False  # close the connection without answering (a crash mid-request)
+        self.decode_error: tuple[int, dict[str, Any]] | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -38,6 +47,8 @@ class Backend:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.hang_health:
+            await asyncio.sleep(30)
         if self.healthy:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "warming", "reason": "compiling"}, status=503)
@@ -48,28 +59,31 @@ class Backend:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.hang:
+            await asyncio.sleep(30)
+        if self.drop:
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.sleep(1)
         if self.reject:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "prompt too long",
-                        "type": "invalid_request_error",
-                        "param": "prompt",
-                        "code": None,
-                    }
-                },
-                status=400,
-            )
+            err = {"message": "prompt too long", "type": "invalid_request_error", "param": "prompt"}
+            return web.json_response({"error": {**err, "code": None}}, status=400)
+        kv = body.get("kv_transfer") or {}
+        if kv.get("mode") == "prefill":
+            handle = {"handle": f"{self.name}-{len(self.bodies)}", "kv_host": None, "kv_port": 9}
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer": handle})
+        if self.decode_error is not None:
+            status, err = self.decode_error
+            return web.json_response({"error": err}, status=status)
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": self.name, "finish_reason": "length"}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
             for i in range(body.get("max_tokens", 3)):
-                await resp.write(
-                    f"data: {json.dumps({'choices': [{'text': f'{self.name}{i} '}]})}\n\n".encode()
-                )
-                await asyncio.sleep(0.01)
+                chunk = {"choices": [{"text": f"{self.name}{i} "}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.step_s)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
@@ -79,7 +93,7 @@ class Backend:
 
 @asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -89,86 +103,136 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+class Env:
+    """What a check gets beside the router URL: backend URLs, and a way to stop a backend."""
+
+    def __init__(self) -> None:
+        self.urls: dict[Backend, str] = {}
+        self.stoppers: dict[Backend, Any] = {}
+
+    async def stop(self, backend: Backend) -> None:
+        await self.stoppers.pop(backend).__aexit__(None, None, None)
+
+
 def with_router(
     prefill: list[Backend],
     decode: list[Backend],
-    fn: Callable[[str], Awaitable[None]],
-    extra_decode: list[str] = (),
+    fn: Callable[[str, Env], Awaitable[None]],
+    settings: RouterSettings = FAST,
+    targets: Callable[[dict[Backend, str]], tuple[list[str], list[str]]] | None = None,
+    resolver: Any = None,
 ) -> None:
     async def main() -> None:
-        urls: dict[Backend, str] = {}
-        cms = []
+        env = Env()
         for b in prefill + decode:
             cm = serving(b.app())
-            urls[b] = await cm.__aenter__()
-            cms.append(cm)
+            env.urls[b] = await cm.__aenter__()
+            env.stoppers[b] = cm
         try:
-            app = create_router_app(
-                [urls[b] for b in prefill], [urls[b] for b in decode] + list(extra_decode)
-            )
-            async with serving(app) as router:
-                await fn(router)
+            p, d = [env.urls[b] for b in prefill], [env.urls[b] for b in decode]
+            if targets is not None:
+                p, d = targets(env.urls)
+            kw = {"resolver": resolver} if resolver else {}
+            async with serving(create_router_app(p, d, settings, **kw)) as router:
+                await fn(router, env)
         finally:
-            for cm in cms:
-                await cm.__aexit__(None, None, None)
+            for b in list(env.stoppers):
+                await env.stop(b)
 
     asyncio.run(main())
 
 
-def test_prefill_then_decode_round_robin() -> None:
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    }
+
+
+async def complete(c: httpx.AsyncClient, router: str, **body: Any) -> httpx.Response:
+    return await c.post(router + "/v1/completions", json={"model": "m", "prompt": "x", **body})
+
+
+def test_prefill_handle_goes_to_decode_round_robin() -> None:
     p, d1, d2 = Backend("p"), Backend("d1"), Backend("d2")
 
-    async def check(router: str) -> None:
+    async def check(router: str, env: Env) -> None:
         async with httpx.AsyncClient() as c:
             texts = []
             for i in range(4):
-                body = {"model": "m", "prompt": f"q{i}", "max_tokens": 50, "stream": False}
-                texts.append(
-                    (await c.post(router + "/v1/completions", json=body)).json()["choices"][0][
-                        "text"
-                    ]
-                )
-            assert texts == ["d1", "d2", "d1", "d2"]  # decode answers, alternating
-            chat = {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "max_completion_tokens": 9,
-            }
-            assert (await c.post(router + "/v1/chat/completions", json=chat)).status_code == 200
+                r = await complete(c, router, prompt=f"q{i}", max_tokens=50)
+                texts.append(r.json()["choices"][0]["text"])
+            assert texts == ["d1", "d2", "d1", "d2"]  # idle instances: least recently picked
+            chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            r = await c.post(
+                router + "/v1/chat/completions", json={**chat, "max_completion_tokens": 9}
+            )
+            assert r.status_code == 200
 
     with_router([p], [d1, d2], check)
-    # every request's prompt went to prefill first, with a one-token budget and no streaming
+    # every prompt ran on prefill first: one token, no streaming, asking for a KV handle
     assert [b["prompt"] for b in p.bodies[:4]] == ["q0", "q1", "q2", "q3"]
     assert all(b["max_tokens"] == 1 and b["stream"] is False for b in p.bodies)
+    assert all(b["kv_transfer"] == {"mode": "prefill"} for b in p.bodies)
     assert p.bodies[4]["max_completion_tokens"] == 1
-    # decode got the original request untouched
-    assert d1.bodies[0] == {"model": "m", "prompt": "q0", "max_tokens": 50, "stream": False}
+    # decode got the original request plus the handle; the router filled in the prefill's host
+    first = d1.bodies[0]
+    assert {k: v for k, v in first.items() if k != "kv_transfer"} == {
+        "model": "m",
+        "prompt": "q0",
+        "max_tokens": 50,
+    }
+    assert first["kv_transfer"] == {
+        "handle": "p-1",
+        "kv_host": "127.0.0.1",
+        "kv_port": 9,
+        "mode": "decode",
+    }
     assert d1.bodies[-1]["max_completion_tokens"] == 9  # the fifth request: d1 again
+
+
+def test_balances_by_outstanding_requests() -> None:
+    p, d1, d2 = Backend("p"), Backend("d1"), Backend("d2")
+    d1.step_s = d2.step_s = 0.05
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            long = asyncio.ensure_future(complete(c, router, max_tokens=20, stream=True))
+            while not (d1.bodies or d2.bodies):
+                await asyncio.sleep(0.01)
+            busy = d1 if d1.bodies else d2
+            idle = d2 if busy is d1 else d1
+            texts = [
+                (await complete(c, router, max_tokens=2)).json()["choices"][0]["text"]
+                for _ in range(3)
+            ]
+            assert texts == [idle.name] * 3  # the busy instance has one outstanding request
+            metrics = samples(
+                (await c.get(router + "/metrics")).text, "atom_router_outstanding_requests"
+            )
+            assert metrics[(("instance", env.urls[busy]), ("role", "decode"))] == 1.0
+            assert metrics[(("instance", env.urls[idle]), ("role", "decode"))] == 0.0
+            assert (await long).status_code == 200
+
+    with_router([p], [d1, d2], check)
 
 
 def test_streaming_passthrough_and_disconnect() -> None:
     p, d = Backend("p"), Backend("d")
 
-    async def check(router: str) -> None:
+    async def check(router: str, env: Env) -> None:
         async with httpx.AsyncClient() as c:
-            r = await c.post(
-                router + "/v1/completions",
-                json={"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
-            )
+            r = await complete(c, router, max_tokens=3, stream=True)
             assert r.headers["content-type"].startswith("text/event-stream")
-            assert (
-                r.text
-                == "".join(
-                    f"data: {json.dumps({'choices': [{'text': f'd{i} '}]})}\n\n" for i in range(3)
-                )
-                + "data: [DONE]\n\n"
+            want = "".join(
+                f"data: {json.dumps({'choices': [{'text': f'd{i} '}]})}\n\n" for i in range(3)
             )
+            assert r.text == want + "data: [DONE]\n\n"
             # hang up mid-stream: the router's upstream request is dropped too
-            async with c.stream(
-                "POST",
-                router + "/v1/completions",
-                json={"model": "m", "prompt": "x", "max_tokens": 500, "stream": True},
-            ) as s:
+            body = {"model": "m", "prompt": "x", "max_tokens": 500, "stream": True}
+            async with c.stream("POST", router + "/v1/completions", json=body) as s:
                 async for _ in s.aiter_lines():
                     break
         for _ in range(100):
@@ -183,9 +247,9 @@ def test_streaming_passthrough_and_disconnect() -> None:
 def test_prefill_client_error_is_returned_without_decode() -> None:
     p, d = Backend("p", reject=True), Backend("d")
 
-    async def check(router: str) -> None:
+    async def check(router: str, env: Env) -> None:
         async with httpx.AsyncClient() as c:
-            r = await c.post(router + "/v1/completions", json={"model": "m", "prompt": "x"})
+            r = await complete(c, router)
             assert r.status_code == 400 and r.json()["error"]["message"] == "prompt too long"
             bad = await c.post(
                 router + "/v1/completions",
@@ -198,31 +262,30 @@ def test_prefill_client_error_is_returned_without_decode() -> None:
     assert d.bodies == []
 
 
-def test_unreachable_decode_falls_back_to_the_next() -> None:
-    p, d = Backend("p"), Backend("d")
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+def test_unreachable_decode_is_skipped_and_leaves_rotation() -> None:
+    p, d, gone = Backend("p"), Backend("d"), Backend("gone")
+    no_probes = RouterSettings(health_interval=60, queue_timeout=0.5)  # only requests notice
 
-    async def check(router: str) -> None:
+    async def check(router: str, env: Env) -> None:
+        await asyncio.sleep(0.3)  # the start-up probe pass found everyone healthy
+        await env.stop(gone)  # its port now refuses connections
         async with httpx.AsyncClient() as c:
-            texts = [
-                (
-                    await c.post(router + "/v1/completions", json={"model": "m", "prompt": "x"})
-                ).json()["choices"][0]["text"]
-                for _ in range(2)
-            ]
-            assert texts == ["d", "d"]
-            metrics = (await c.get(router + "/metrics")).text
-            assert (
-                f'atom_router_backend_errors_total{{backend="{dead}",role="decode"}} 1.0' in metrics
-            )
+            texts = [(await complete(c, router)).json()["choices"][0]["text"] for _ in range(3)]
+            assert texts == ["d", "d", "d"]  # the request that picked `gone` moved on to `d`
+            text = (await c.get(router + "/metrics")).text
+            assert samples(text, "atom_router_backend_errors_total") == {
+                (("backend", env.urls[gone]), ("role", "decode")): 1.0
+            }
+            healthy = samples(text, "atom_router_instance_healthy")
+            assert healthy[(("instance", env.urls[gone]), ("role", "decode"))] == 0.0
 
-    with_router([p], [d], check, extra_decode=[dead])
+    with_router([p], [d, gone], check, settings=no_probes)
 
 
-def test_health_aggregates_roles() -> None:
+def test_health_aggregates_roles_and_rotation_follows_it() -> None:
     p1, p2, d = Backend("p1"), Backend("p2", healthy=False), Backend("d", healthy=False)
 
-    async def check(router: str) -> None:
+    async def check(router: str, env: Env) -> None:
         async with httpx.AsyncClient() as c:
             r = await c.get(router + "/health")
             assert r.status_code == 503
@@ -230,42 +293,175 @@ def test_health_aggregates_roles() -> None:
             assert body["reason"] == "no healthy decode instance"
             assert [b["healthy"] for b in body["backends"]["prefill"]] == [True, False]
             assert body["backends"]["prefill"][1]["reason"] == "compiling"
+            r = await complete(c, router)  # no decode in rotation: waits queue_timeout, then 503
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend"
+            assert "no healthy decode instance" in r.json()["error"]["message"]
+            assert "compiling" in r.json()["error"]["message"]
             d.healthy = True
             assert (await c.get(router + "/health")).status_code == 200
             assert (await c.get(router + "/v1/models")).json()["data"][0]["id"] == "d"
+            for _ in range(4):  # p2 stays out of rotation while it is not healthy
+                assert (await complete(c, router)).status_code == 200
+            assert len(p2.bodies) == 0
+            p2.healthy = True
+            await asyncio.sleep(0.3)  # a probe pass brings it back
+            for _ in range(4):
+                assert (await complete(c, router)).status_code == 200
+            assert len(p2.bodies) == 2
 
     with_router([p1, p2], [d], check)
 
 
-@pytest.mark.slow
-def test_router_process_in_front_of_real_servers() -> None:
-    prefill, decode = start_server(), start_server()
-    router = None
-    try:
-        prefill.wait_healthy()
-        decode.wait_healthy()
-        router = start_router([prefill.url], [decode.url])
-        router.wait_healthy()
-        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
-        kw = {
-            "model": "tiny-llama",
-            "prompt": "hello",
-            "max_tokens": 6,
-            "temperature": 0.0,
-            "extra_body": {"ignore_eos": True},
-        }
-        whole = client.completions.create(**kw)
-        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
-        assert whole.usage.completion_tokens == 6 and streamed == whole.choices[0].text
-        # the same weights (seed 0) and greedy decoding: the router adds nothing to the answer
-        direct = openai.OpenAI(base_url=decode.url + "/v1", api_key="x").completions.create(**kw)
-        assert direct.choices[0].text == whole.choices[0].text
-        prefill_status = httpx.get(prefill.url + "/status").json()
-        assert prefill_status["steps"] >= 2  # the prefill instance really ran the prompts
-        with pytest.raises(openai.BadRequestError):
-            client.completions.create(model="tiny-llama", prompt="x", max_tokens=-1)
-        assert router.terminate() == 0
-    finally:
-        for proc in (router, prefill, decode):
-            if proc is not None:
-                proc.stop()
+def test_prefill_dying_mid_request_is_503_and_the_next_go_elsewhere() -> None:
+    p1, p2, d = Backend("p1"), Backend("p2"), Backend("d")
+    p1.drop = True  # crashes with the request in hand
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient() as c:
+            first = await complete(c, router)
+            assert first.status_code == 503
+            err = first.json()["error"]
+            assert err["code"] == "prefill_failed" and err["type"] == "service_unavailable"
+            assert f"prefill instance {env.urls[p1]} failed during the request" in err["message"]
+            for _ in range(3):
+                assert (await complete(c, router)).status_code == 200
+        assert len(p1.bodies) == 1 and len(p2.bodies) == 3
+
+    with_router([p1, p2], [d], check, settings=RouterSettings(health_interval=60))
+
+
+def test_silent_instance_is_found_dead_and_its_request_ends() -> None:
+    p, d = Backend("p"), Backend("d")
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            d.hang = d.hang_health = True  # alive socket, no answers: a frozen or cut-off pod
+            t0 = time.monotonic()
+            r = await complete(c, router)
+            assert time.monotonic() - t0 < 5.0
+            assert r.status_code == 503 and r.json()["error"]["code"] == "decode_failed"
+            assert "/health timed out" in r.json()["error"]["message"]
+
+    settings = RouterSettings(health_interval=0.1, health_timeout=0.2, dead_after=2)
+    with_router([p], [d], check, settings=settings)
+
+
+def test_decode_failure_before_and_after_the_first_byte() -> None:
+    p, d = Backend("p"), Backend("d")
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            d.decode_error = (
+                503,
+                {"message": "KV transfer from 1.2.3.4:8001 failed", "code": "kv_transfer_failed"},
+            )
+            r = await complete(c, router)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed"
+            assert "KV transfer from 1.2.3.4:8001 failed" in r.json()["error"]["message"]
+            d.decode_error = (409, {"message": "model identity differs", "code": "kv_mismatch"})
+            r = await complete(c, router)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "kv_mismatch"
+            d.decode_error = None
+            # the stream started, then the decode instance vanished: an in-band error event
+            body = {"model": "m", "prompt": "x", "max_tokens": 200, "stream": True}
+            lines = []
+            async with c.stream("POST", router + "/v1/completions", json=body) as s:
+                async for line in s.aiter_lines():
+                    lines.append(line)
+                    if len(lines) == 2:
+                        d.hang_health = True
+                        d.step_s = 30
+            events = [line for line in lines if line]
+            assert events[-1] == "data: [DONE]"
+            err = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert err["code"] == "decode_failed" and env.urls[d] in err["message"]
+
+    settings = RouterSettings(health_interval=0.1, health_timeout=0.2, dead_after=2)
+    with_router([p], [d], check, settings=settings)
+
+
+def test_prefill_without_a_handle_is_refused_clearly() -> None:
+    p, d = Backend("p"), Backend("d")
+
+    class OldPrefill(Backend):
+        async def complete(self, request: web.Request) -> web.StreamResponse:
+            await request.read()
+            return web.json_response({"choices": [{"text": "x"}]})
+
+    old = OldPrefill("old")
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient() as c:
+            r = await complete(c, router)
+            assert r.status_code == 503 and "without a KV handle" in r.json()["error"]["message"]
+
+    with_router([old], [d], check)
+    assert d.bodies == [] and p.bodies == []
+
+
+def test_targets_are_urls_or_dns_names() -> None:
+    assert parse_target("http://10.0.0.5:8000/") == ("http://10.0.0.5:8000", "", 0)
+    assert parse_target("demo-prefill-abc.ns.svc:8000") == (None, "demo-prefill-abc.ns.svc", 8000)
+    assert parse_target("svc.ns") == (None, "svc.ns", 8000)
+    with pytest.raises(ValueError, match="neither a URL nor a DNS name"):
+        parse_target("svc/path")
+
+    records = {"svc.ns": ["10.0.0.1", "10.0.0.2"]}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if host not in records:
+            raise OSError("NXDOMAIN")
+        return records[host]
+
+    async def main() -> None:
+        pool = Pool("decode", ["svc.ns:8000", "http://10.9.9.9:8000"], resolver)
+        await pool.resolve()
+        assert sorted(pool.instances) == [
+            "http://10.0.0.1:8000",
+            "http://10.0.0.2:8000",
+            "http://10.9.9.9:8000",
+        ]
+        records["svc.ns"] = ["10.0.0.2", "fd00::3"]  # a pod left, another joined
+        await pool.resolve()
+        assert sorted(pool.instances) == [
+            "http://10.0.0.2:8000",
+            "http://10.9.9.9:8000",
+            "http://[fd00::3]:8000",
+        ]
+        del records["svc.ns"]  # a failed lookup keeps what was known
+        await pool.resolve()
+        assert len(pool.instances) == 3
+
+    asyncio.run(main())
+
+
+def test_router_follows_a_dns_name() -> None:
+    p, d1, d2 = Backend("p"), Backend("d1"), Backend("d2")
+    records: dict[str, list[str]] = {}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return records.get(host, [])
+
+    def targets(urls: dict[Backend, str]) -> tuple[list[str], list[str]]:
+        # Each backend listens on its own port; a headless Service maps one name to several
+        # pod IPs on one port. Here the name picks which backend ports exist.
+        ports = {b: int(u.rsplit(":", 1)[1]) for b, u in urls.items()}
+        records["p.ns"] = ["127.0.0.1"]
+        return [f"p.ns:{ports[p]}"], [f"d.ns:{ports[d1]}", f"d.ns:{ports[d2]}"]
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient() as c:
+            r = await complete(c, router)  # no decode address yet: waits, then 503
+            assert (
+                r.status_code == 503
+                and "no decode instance is known" in r.json()["error"]["message"]
+            )
+            records["d.ns"] = ["127.0.0.1"]
+            await asyncio.sleep(0.3)  # re-resolved
+            texts = {(await complete(c, router)).json()["choices"][0]["text"] for _ in range(4)}
+            assert texts == {"d1", "d2"}
+            records["d.ns"] = []
+            await asyncio.sleep(0.3)
+            assert (await complete(c, router)).status_code == 503
+
+    with_router([p], [d1, d2], check, targets=targets, resolver=resolver)

@@ -11,11 +11,13 @@ from atom_operator.models import AtomDeploymentSpec
 
 
 def router_args(owner: Owner, revision: str) -> list[str]:
+    """DNS names of the revision's headless role Services: the router balances over their pods
+    (each request needs one prefill pod and one decode pod, not a Service's random pick)."""
     return [
         "--prefill",
-        naming.service_url(owner.name, owner.namespace, naming.PREFILL, revision),
+        naming.service_address(owner.name, owner.namespace, naming.PREFILL, revision),
         "--decode",
-        naming.service_url(owner.name, owner.namespace, naming.DECODE, revision),
+        naming.service_address(owner.name, owner.namespace, naming.DECODE, revision),
         "--port",
         str(naming.HTTP_PORT),
     ]

@@ -60,6 +60,10 @@ def runtime_container(
     if spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": naming.MODEL_MOUNT, "readOnly": True})
     env = [{"name": "HOME", "value": "/tmp"}, *(spec.env or [])]  # arbitrary non-root uid
+    if role in (naming.PREFILL, naming.DECODE):
+        # The address a decode pod dials for this pod's KV blocks (atom-runtime --kv-host).
+        pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+        env.append({"name": "ATOM_KV_HOST", "valueFrom": pod_ip})
     container: dict[str, Any] = {
         "name": "runtime",
         "image": image,
@@ -186,7 +190,8 @@ def build_role_deployment(
 
 
 def build_role_service(owner: Owner, role: str, revision: str) -> dict[str, Any]:
-    """Per-revision Service of a disaggregated role: the router targets exactly one revision."""
+    """Per-revision headless Service of a disaggregated role: its DNS name resolves to the
+    revision's ready pods, which the router balances over (one revision, never a mix)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -197,6 +202,7 @@ def build_role_service(owner: Owner, role: str, revision: str) -> dict[str, Any]
         ),
         "spec": {
             "type": "ClusterIP",
+            "clusterIP": "None",
             "selector": naming.selector_labels(owner.name, role, revision),
             "ports": [
                 {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},

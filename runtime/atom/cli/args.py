@@ -33,6 +33,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def _level(text: str) -> int:
     value = int(text)
     if value not in (0, 1, 2, 3):
@@ -59,7 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compilation-config", type=_json_object, default=None, help="CompilationConfig fields as JSON")
     parser.add_argument("--compile-cache-dir", default=None)
     parser.add_argument("--role", choices=ROLES, default="unified")
-    parser.add_argument("--kv-port", type=int, default=None)
+    parser.add_argument("--kv-port", type=int, default=None, help="serve held KV blocks on this port (prefill default 8001; 0: any free port)")
+    parser.add_argument("--kv-host", default=None, help="address decode instances dial for this instance's blocks (default $ATOM_KV_HOST, else the router fills in the address it reached)")
+    parser.add_argument("--kv-hold-seconds", type=_positive_float, default=30.0, help="prefill: free blocks not pulled within this time")
+    parser.add_argument("--kv-pull-timeout", type=_positive_float, default=30.0, help="decode: bound on one pull attempt (a broken pull is retried once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks on CPU (GPU: sized from free memory)")

@@ -41,7 +41,10 @@ class BlockManager:
             seq.block_table.append(self.free_blocks.popleft())
 
     def free(self, seq: Sequence) -> None:
-        # Returned to the front: recently used blocks are reused first (warm in cache).
-        for block in reversed(seq.block_table):
-            self.free_blocks.appendleft(block)
+        self.release(seq.block_table)
         seq.block_table.clear()
+
+    def release(self, blocks: list[int]) -> None:
+        # Returned to the front: recently used blocks are reused first (warm in cache).
+        for block in reversed(blocks):
+            self.free_blocks.appendleft(block)

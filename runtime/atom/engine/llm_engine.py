@@ -7,6 +7,10 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from atom.disagg.holds import KVHoldRegistry
+from atom.disagg.kv_blocks import scatter_blocks
 from atom.engine.block_manager import BlockManager
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.engine.sampler import Sampler
@@ -17,6 +21,8 @@ from atom.models.registry import load_model_config
 from atom.utils.counters import counters
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_KV_HOLD_S = 30.0
 
 
 class LLMEngine:
@@ -49,6 +55,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
         self.eos_token_ids = set(self.hf_config.eos_token_id)
+        # Prompt blocks of finished prefill-role sequences, kept until pulled (atom.disagg).
+        self.kv_holds = KVHoldRegistry(DEFAULT_KV_HOLD_S)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._arrival = itertools.count()
@@ -80,7 +88,49 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, *, hold_kv: bool = False) -> None:
+        """hold_kv: when the sequence finishes, keep its prompt's blocks in `kv_holds` under
+        request_id (a prefill instance's handle) instead of freeing them."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.hold_kv = hold_kv
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
+                              first_token: int, params: SamplingParams | None,
+                              kv_blocks: Any, first_logprob: float | None = None) -> None:
+        """A sequence whose prompt ran elsewhere: `kv_blocks` holds the prompt's KV (host tensor
+        [n, 2, layers, block, heads, dim], atom.disagg.kv_blocks) and `first_token` was sampled
+        from it. The first token is reported at once; decoding continues from it. kv_blocks may
+        be None only when the first token already ends the request."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not 0 <= first_token < self.hf_config.vocab_size:
+            raise ValueError(f"first token id {first_token} is outside the vocabulary")
+        seq.token_ids.append(first_token)
+        if first_logprob is not None and seq.params.logprobs:
+            seq.output_logprobs.append(first_logprob)
+        if seq.generator is not None and not seq.params.greedy:
+            # The prefill instance drew the first token's noise from a generator seeded alike;
+            # skip that draw so the following tokens match a unified instance's.
+            vocab = self.hf_config.vocab_size
+            torch.empty(vocab, device=self.runner.device).exponential_(generator=seq.generator)
+        reason = self._stop_reason(seq, first_token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        else:
+            need = self.block_manager.blocks_needed(seq.num_prompt_tokens)
+            if kv_blocks is None or kv_blocks.shape[0] != need:
+                got = "none" if kv_blocks is None else kv_blocks.shape[0]
+                raise ValueError(f"the prompt's KV needs {need} blocks, got {got}")
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.kv_payload = kv_blocks
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+        lp = [first_logprob] if first_logprob is not None else [None]
+        self._pending.append(self._output(seq, [first_token], lp))
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams | None) -> Sequence:
         params = params or SamplingParams()
         params.validate()
         if request_id in self._seqs:
@@ -99,8 +149,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrival))
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -134,10 +183,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs for every request that moved."""
+        self.reclaim_kv()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched:
             return outputs
+        self._place_pulled_kv(sched.seqs)
         logits, to_sample = self.runner.execute_model(sched.seqs, sched.is_prefill)
         for seq in sched.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -149,10 +200,37 @@ class LLMEngine:
                 seq.output_logprobs.append(lp)
             reason = self._stop_reason(seq, tok)
             if reason is not None:
+                if seq.hold_kv:
+                    self._hold_prompt_blocks(seq)
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(self._output(seq, [tok], [lp]))
         return outputs
+
+    # ---- disaggregation ------------------------------------------------------------------------
+    def _hold_prompt_blocks(self, seq: Sequence) -> None:
+        """Move the prompt's blocks into kv_holds; the rest of the table is freed as usual."""
+        n = self.block_manager.blocks_needed(seq.num_prompt_tokens)
+        held, rest = seq.block_table[:n], seq.block_table[n:]
+        if self.kv_holds.hold(seq.request_id, held, seq.num_prompt_tokens):
+            seq.block_table = rest
+        else:
+            logger.warning("KV handle %s is already held; freeing these blocks", seq.request_id)
+
+    def _place_pulled_kv(self, seqs: list[Sequence]) -> None:
+        """Write pulled prompt blocks into the blocks the scheduler just gave their sequence."""
+        for seq in seqs:
+            if seq.kv_payload is not None:
+                n = seq.kv_payload.shape[0]
+                scatter_blocks(self.runner.kv_cache, seq.block_table[:n], seq.kv_payload)
+                seq.kv_payload = None
+
+    def reclaim_kv(self) -> int:
+        """Free the blocks of holds that were pulled, released or timed out; returns how many."""
+        blocks = self.kv_holds.reclaim()
+        if blocks:
+            self.block_manager.release(blocks)
+        return len(blocks)
 
     def stats(self) -> dict:
         out: dict[str, Any] = {
@@ -161,6 +239,7 @@ class LLMEngine:
             "kv_blocks_used": self.block_manager.num_used_blocks,
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_held": self.kv_holds.num_blocks_held,
         }
         out.update(counters.snapshot())
         return out

@@ -38,6 +38,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None  # per-request seeded sampling
+        # Disaggregation: a prefill sequence keeps its prompt's blocks when it finishes; a
+        # pulled one carries its prompt's blocks (host tensor) until the scheduler places it.
+        self.hold_kv = False
+        self.kv_payload: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

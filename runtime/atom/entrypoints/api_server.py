@@ -42,6 +42,8 @@ def engine_builder(config: Any, state: ServerState) -> Callable[[], Any]:
         state.vocab_size = model_cfg.vocab_size
         state.max_model_len = int(config.max_model_len)
         state.config = config
+        if state.kv is not None:
+            state.kv.attach(engine)
         return engine
 
     return build
@@ -72,6 +74,14 @@ async def serve(
     bound = runner.addresses[0][1] if runner.addresses else port  # the real port when --port 0
     logger.info("listening on http://%s:%s", host, bound)
     print(f"ATOM server listening on http://{host}:{bound}", flush=True)
+    try:
+        kv_port = await state.kv.start() if state.kv is not None else None
+    except OSError as exc:  # the KV port is taken: fail fast, like the HTTP port does
+        logger.error("cannot serve KV blocks: %s", exc)
+        await runner.cleanup()
+        return 1
+    if kv_port is not None:
+        print(f"ATOM KV server listening on {host}:{kv_port}", flush=True)
     state.engine.start()
     failed = asyncio.create_task(_wait_failed(state.engine))
     stopped = asyncio.create_task(stop.wait())
@@ -84,6 +94,8 @@ async def serve(
     t0 = time.monotonic()
     await runner.cleanup()  # stop accepting; wait for in-flight handlers up to grace_s, then cancel
     await state.engine.stop()
+    if state.kv is not None:
+        await state.kv.close()
     logger.info("shut down in %.2fs", time.monotonic() - t0)
     return exit_code
 

@@ -24,6 +24,15 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 
 
+@dataclass
+class Prefilled:
+    """A request whose prompt ran on a prefill instance: its first token and pulled KV blocks."""
+
+    first_token: int
+    kv_blocks: Any  # host tensor (atom.disagg.kv_blocks) or None when the first token ends it
+    first_logprob: float | None = None
+
+
 class EngineDead(RuntimeError):
     """The engine raised inside step(); in-flight requests fail with this."""
 
@@ -94,11 +103,13 @@ class AsyncEngine:
 
     # ---- requests (event loop side) ---------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: dict[str, Any]
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], **opts: Any
     ) -> RequestStream:
+        """opts (disaggregation): hold_kv=True on a prefill instance; prefilled=Prefilled(...)
+        for a request whose prompt ran on a prefill instance."""
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
-        self._commands.append(("add", request_id, prompt_ids, params))
+        self._commands.append(("add", request_id, prompt_ids, params, opts))
         self._wake.set()
         return stream
 
@@ -159,7 +170,10 @@ class AsyncEngine:
             logger.exception("engine start-up failed")
             self._set_state("failed", f"engine start-up failed: {exc}")
             return
+        reclaim = getattr(self.engine, "reclaim_kv", None)
         while not self._stop.is_set():
+            if reclaim is not None:
+                reclaim()  # held KV blocks that were pulled or timed out, also while idle
             errors = self._drain_commands()
             outputs: list[Any] = []
             if self.engine.has_unfinished_requests():
@@ -183,9 +197,9 @@ class AsyncEngine:
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
-                _, request_id, prompt_ids, params = cmd
+                _, request_id, prompt_ids, params, opts = cmd
                 try:
-                    self.engine.add_request(request_id, prompt_ids, self._params_cls(**params))
+                    self._add(request_id, prompt_ids, self._params_cls(**params), opts)
                 except (ValueError, TypeError) as exc:  # the engine names the limit
                     errors.append((request_id, ValueError(str(exc))))
             else:
@@ -194,6 +208,17 @@ class AsyncEngine:
                 except (KeyError, ValueError):
                     pass  # already finished
         return errors
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: Any, opts: dict) -> None:
+        pre = opts.get("prefilled")
+        if pre is not None:
+            self.engine.add_prefilled_request(
+                request_id, prompt_ids, pre.first_token, params, pre.kv_blocks, pre.first_logprob
+            )
+        elif opts.get("hold_kv"):
+            self.engine.add_request(request_id, prompt_ids, params, hold_kv=True)
+        else:
+            self.engine.add_request(request_id, prompt_ids, params)
 
     def _stats(self) -> dict[str, Any]:
         try:

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from atom.entrypoints.async_engine import AsyncEngine
 from atom.entrypoints.errors import APIError
@@ -32,6 +33,12 @@ class Delta:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def ends_at_first_token(params: dict[str, Any], first_token: int) -> bool:
+    """Whether the engine will finish a request at its first token (a subset of its stop rule:
+    when unsure, False, and the blocks are pulled anyway)."""
+    return params["max_tokens"] <= 1 or first_token in params["stop_token_ids"]
 
 
 def engine_params(req: GenerationRequest, tokenizer: BaseTokenizer) -> dict:
@@ -58,8 +65,10 @@ async def generate(
     req: GenerationRequest,
     request_id: str,
     endpoint: str,
+    **submit: Any,
 ) -> AsyncIterator[Delta]:
-    stream = engine.add_request(request_id, req.prompt_ids, engine_params(req, tokenizer))
+    """submit: AsyncEngine.add_request options (hold_kv, prefilled) for disaggregated roles."""
+    stream = engine.add_request(request_id, req.prompt_ids, engine_params(req, tokenizer), **submit)
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringChecker(req.stop)
     metrics.prompt_tokens.inc(len(req.prompt_ids))

@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from atom.disagg.metrics import KVMetrics
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (
@@ -66,6 +68,7 @@ class ServerMetrics:
         stats: Callable[[], dict[str, Any]],
         counters: Callable[[], dict[str, int]],
         warmup: Callable[[], dict[str, Any]],
+        kv_holds: Callable[[], Any] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -105,6 +108,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(stats, counters, warmup))
+        # KV transfers (disaggregation): bytes, blocks, durations, outcomes, blocks held.
+        self.kv = KVMetrics(self.registry, kv_holds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,9 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
-from atom.entrypoints.async_engine import AsyncEngine
+from atom.disagg.handle import KVHandle
+from atom.entrypoints.async_engine import AsyncEngine, Prefilled
 from atom.entrypoints.errors import APIError
-from atom.entrypoints.generation import Delta, generate, new_request_id
+from atom.entrypoints.generation import (
+    Delta,
+    ends_at_first_token,
+    engine_params,
+    generate,
+    new_request_id,
+)
 from atom.entrypoints.info import config_info, graph_info
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
 from atom.entrypoints.protocol import (
@@ -46,6 +53,7 @@ class ServerState:
     vocab_size: int = 0
     draining: bool = False
     started: float = field(default_factory=time.time)
+    kv: Any = None  # atom.disagg.service.KVService: KV transfers (prefill serves, decode pulls)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +63,10 @@ class ServerState:
             stats=lambda: self.engine.last_stats,
             counters=counters.snapshot,
             warmup=lambda: self.engine.warmup_summary,
+            kv_holds=lambda: getattr(self.engine.engine, "kv_holds", None),
         )
+        if self.kv is not None:
+            self.kv.metrics = self.metrics.kv
 
 
 STATE_KEY = web.AppKey("atom_state", ServerState)
@@ -146,6 +157,8 @@ async def status(request: web.Request) -> web.Response:
         "in_flight": len(engine.streams),
         "steps": engine.steps,
     }
+    if state.kv is not None:
+        body["kv"] = state.kv.describe()
     if body.get("cache_key") is None and summary.get("cache_key"):
         body["cache_key"] = summary["cache_key"]
     return web.json_response(body, dumps=lambda o: json.dumps(o, default=str))
@@ -171,34 +184,134 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    _admit(state)
-    req = completion_request(
-        await _body(request),
-        state.tokenizer,
-        state.served_model_name,
-        state.max_model_len,
-        state.vocab_size,
-    )
-    return await _serve(request, state, req, chat=False)
+    return await _generation(request, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, chat=True)
+
+
+async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     _admit(state)
-    req = chat_request(
-        await _body(request), state.tokenizer, state.served_model_name, state.max_model_len
+    body = await _body(request)
+    kv = body.get("kv_transfer")  # disaggregation (docs/architecture.md); absent: unified
+    mode = kv.get("mode") if isinstance(kv, dict) else None
+    try:
+        if chat:
+            req = chat_request(body, state.tokenizer, state.served_model_name, state.max_model_len)
+        else:
+            req = completion_request(
+                body,
+                state.tokenizer,
+                state.served_model_name,
+                state.max_model_len,
+                state.vocab_size,
+            )
+    except APIError:
+        if mode == "decode":  # the prompt already ran elsewhere: free its blocks there
+            _release_quietly(state, kv)
+        raise
+    if kv is None:
+        return await _serve(request, state, req, chat)
+    if mode == "prefill":
+        return await _serve_prefill(state, req, chat)
+    if mode == "decode":
+        return await _serve_decode(request, state, req, chat, kv)
+    raise APIError(
+        400,
+        "kv_transfer.mode must be 'prefill' or 'decode'",
+        param="kv_transfer",
+        code="kv_bad_request",
     )
-    return await _serve(request, state, req, chat=True)
+
+
+async def _serve_prefill(state: ServerState, req: GenerationRequest, chat: bool) -> web.Response:
+    """Run the prompt, sample its first token, keep its blocks; answer with the KV handle."""
+    kv = state.kv
+    if kv is None or not kv.serves:
+        raise APIError(
+            400,
+            "this instance serves no KV blocks: start it with --role prefill (or --kv-port)",
+            param="kv_transfer",
+            code="kv_not_enabled",
+        )
+    req.max_tokens, req.stream = 1, False
+    request_id = new_request_id("chatcmpl" if chat else "cmpl")
+    assert state.tokenizer is not None
+    gen = generate(
+        state.engine, state.tokenizer, state.metrics, req, request_id, "prefill", hold_kv=True
+    )
+    async with aclosing(gen):
+        deltas = [d async for d in gen]
+    first = next((d for d in deltas if d.token_ids), None)
+    if first is None:  # aborted before sampling (shutting down): nothing is held
+        raise APIError(503, "the prefill produced no token", code="engine_unavailable")
+    logprob = first.logprobs[0] if first.logprobs else None
+    handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob)
+    body = _Formatter(state.tokenizer, request_id, req, chat).full(deltas)
+    body["kv_transfer"] = handle.to_dict()
+    return web.json_response(body)
+
+
+async def _serve_decode(
+    request: web.Request, state: ServerState, req: GenerationRequest, chat: bool, kv: dict
+) -> web.StreamResponse:
+    """Pull the prompt's blocks from the prefill instance, then decode from its first token."""
+    try:
+        handle = KVHandle.from_dict(kv)
+        if not handle.kv_host:
+            raise ValueError("kv_transfer.kv_host is required to pull the blocks")
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="kv_transfer", code="kv_bad_request") from None
+    why = state.kv.layout.identity_mismatch(
+        handle.identity, handle.model, theirs="the prefill instance"
+    )
+    if why:  # known from the handle already; the wire checks it again with the cache shape
+        raise APIError(409, f"refusing KV blocks: {why}", param="kv_transfer", code="kv_mismatch")
+    if req.prompt_ids != handle.prompt_token_ids:
+        state.kv.release_soon(handle)
+        raise APIError(
+            409,
+            f"the prompt tokenizes to {len(req.prompt_ids)} tokens here but the prefill instance "
+            f"ran {len(handle.prompt_token_ids)} different ones (another tokenizer or template?)",
+            param="kv_transfer",
+            code="kv_mismatch",
+        )
+    assert state.tokenizer is not None
+    blocks = None
+    if ends_at_first_token(engine_params(req, state.tokenizer), handle.first_token_id):
+        state.kv.release_soon(handle)  # nothing left to decode: the blocks are not needed
+    else:
+        from atom.disagg.client import KVTransferError
+
+        try:
+            blocks = (await state.kv.pull(handle)).blocks
+        except KVTransferError as exc:
+            status = 409 if exc.code == "kv_mismatch" else 503
+            raise APIError(status, exc.message, param="kv_transfer", code=exc.code) from None
+    pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob)
+    return await _serve(request, state, req, chat, prefilled=pre)
+
+
+def _release_quietly(state: ServerState, kv: dict) -> None:
+    if state.kv is None:
+        return
+    try:
+        state.kv.release_soon(KVHandle.from_dict(kv))
+    except ValueError:
+        pass
 
 
 async def _serve(
-    request: web.Request, state: ServerState, req: GenerationRequest, chat: bool
+    request: web.Request, state: ServerState, req: GenerationRequest, chat: bool, **submit: Any
 ) -> web.StreamResponse:
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     endpoint = "chat" if chat else "completions"
     assert state.tokenizer is not None
-    gen = generate(state.engine, state.tokenizer, state.metrics, req, request_id, endpoint)
+    gen = generate(
+        state.engine, state.tokenizer, state.metrics, req, request_id, endpoint, **submit
+    )
     fmt = _Formatter(state.tokenizer, request_id, req, chat)
     async with aclosing(gen):
         if not req.stream:

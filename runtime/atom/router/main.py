@@ -1,4 +1,8 @@
-"""`atom-router --prefill URL ... --decode URL ... [--port 8000]`."""
+"""`atom-router --prefill URL ... --decode URL ... [--port 8000]`.
+
+Each instance is a URL (`http://10.0.0.5:8000`) or a DNS name with a port whose addresses are
+the instances (`demo-prefill-abc.ns.svc:8000`, a headless Service), re-resolved periodically.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 from aiohttp import web
 
-from atom.router.proxy import create_router_app
+from atom.router.proxy import RouterSettings, create_router_app
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,10 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="atom-router", description="route requests to prefill and decode instances"
     )
     parser.add_argument(
-        "--prefill", nargs="+", required=True, metavar="URL", help="prefill instance base URLs"
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill instances: base URLs, or DNS names with a port (name:port) whose "
+        "addresses are the instances",
     )
     parser.add_argument(
-        "--decode", nargs="+", required=True, metavar="URL", help="decode instance base URLs"
+        "--decode", nargs="+", required=True, metavar="URL", help="decode instances (as --prefill)"
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
@@ -30,11 +40,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=30.0, help="seconds in-flight requests get at SIGTERM"
     )
     parser.add_argument("--log-level", default="info")
+    d = RouterSettings()
+    for flag, default, text in (
+        ("--health-interval", d.health_interval, "seconds between /health probes of each instance"),
+        ("--health-timeout", d.health_timeout, "timeout of one probe"),
+        ("--dns-interval", d.dns_interval, "seconds between re-resolving DNS names"),
+        ("--queue-timeout", d.queue_timeout, "how long a request waits for an instance (then 503)"),
+        ("--prefill-timeout", d.prefill_timeout, "bound on one prefill call"),
+        ("--read-timeout", d.read_timeout, "silence allowed from a decode instance"),
+    ):
+        parser.add_argument(flag, type=float, default=default, help=f"{text} (default {default})")
     return parser
 
 
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    """The RouterSettings fields that have a flag (--health-interval -> health_interval)."""
+    given = {f.name: getattr(args, f.name) for f in fields(RouterSettings) if hasattr(args, f.name)}
+    return RouterSettings(**given)
+
+
 async def run(args: argparse.Namespace) -> int:
-    app = create_router_app(args.prefill, args.decode)
+    try:
+        app = create_router_app(args.prefill, args.decode, settings_from_args(args))
+    except ValueError as exc:
+        print(f"atom-router: error: {exc}", file=sys.stderr)
+        return 2
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=args.grace, access_log=None
     )

@@ -1,0 +1,110 @@
+"""One instance's side of disaggregation, as the HTTP server uses it.
+
+Every instance can pull (decode); an instance with a KV port also serves its held blocks
+(prefill). The engine is attached from the engine thread once it is built; until then the KV
+server answers NOT_READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from atom.disagg.client import PulledKV, pull_kv, release_kv
+from atom.disagg.handle import KVHandle
+from atom.disagg.kv_blocks import engine_layout
+from atom.disagg.layout import KVLayout
+from atom.disagg.server import KVServer, KVSource
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_PORT = 8001
+
+
+@dataclass
+class KVService:
+    host: str = "0.0.0.0"
+    port: int | None = None  # None: this instance serves no blocks (0: any free port)
+    advertise_host: str | None = None  # the address decode instances dial; None: router fills it
+    hold_seconds: float = 30.0
+    pull_timeout: float = 30.0
+    metrics: Any = None  # atom.disagg.metrics.KVMetrics
+    layout: KVLayout | None = None
+    engine: Any = None
+    server: KVServer | None = None
+    bound_port: int = 0
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        """Engine thread, right after the engine is built."""
+        engine.kv_holds.hold_seconds = self.hold_seconds
+        self.layout = engine_layout(engine)
+        self.engine = engine
+
+    @property
+    def serves(self) -> bool:
+        return self.server is not None
+
+    async def start(self) -> int | None:
+        if self.port is None:
+            return None
+        self.server = KVServer(self._source, self.metrics)
+        self.bound_port = await self.server.start(self.host, self.port)
+        return self.bound_port
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self.server is not None:
+            await self.server.close()
+
+    def _source(self) -> KVSource | None:
+        if self.engine is None or self.layout is None:
+            return None
+        return KVSource(self.layout, self.engine.kv_holds, self.engine.runner.kv_cache)
+
+    # ---- prefill side ---------------------------------------------------------------------------
+    def make_handle(
+        self, request_id: str, prompt_ids: list[int], first_token: int, logprob: float | None
+    ) -> KVHandle:
+        assert self.layout is not None
+        return KVHandle(
+            handle=request_id,
+            kv_host=self.advertise_host,
+            kv_port=self.bound_port,
+            identity=self.layout.identity,
+            model=self.layout.model,
+            num_blocks=self.layout.blocks_for(len(prompt_ids)),
+            prompt_token_ids=list(prompt_ids),
+            first_token_id=first_token,
+            first_logprob=logprob,
+            expires_in=self.hold_seconds,
+        )
+
+    # ---- decode side ----------------------------------------------------------------------------
+    async def pull(self, handle: KVHandle) -> PulledKV:
+        assert self.layout is not None
+        return await pull_kv(handle, self.layout, timeout=self.pull_timeout, metrics=self.metrics)
+
+    def release_soon(self, handle: KVHandle) -> None:
+        """Free a handle's blocks on its prefill instance without waiting (best effort)."""
+        if self.layout is None or handle.kv_host is None:
+            return
+        task = asyncio.create_task(release_kv(handle, self.layout))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def describe(self) -> dict[str, Any]:
+        holds = getattr(self.engine, "kv_holds", None)
+        return {
+            "port": self.bound_port if self.serves else None,
+            "advertise_host": self.advertise_host,
+            "hold_seconds": self.hold_seconds,
+            "identity": self.layout.identity if self.layout else None,
+            "holds": holds.num_holds if holds else 0,
+            "blocks_held": holds.num_blocks_held if holds else 0,
+            "holds_expired": holds.stats.expired if holds else 0,
+        }
