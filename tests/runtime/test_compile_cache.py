@@ -284,3 +284,19 @@ def test_hash_ignores_per_process_environment(tmp_path: Path, monkeypatch: pytes
     b = _cache_dir_of(build_random(3, root, use_inductor=False), ids, pos)
     assert a == b
 
+
+
+def test_repeated_layer_pieces_load_one_artifact(tmp_path: Path) -> None:
+    """Pieces of identical layers are named by position, so their artifacts have the same
+    bytes; a warm start loads that artifact once and reuses it (outputs still match eager)."""
+    cache_dir = str(tmp_path / "cache")
+    layers = ["--layers", "4"]  # pieces: first, 3 identical middles, last
+    cmd = [sys.executable, WORKER, "--cache-dir", cache_dir, "--fast-isa", *layers]
+    for _ in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    warm = _parse(proc.stdout)
+    c = warm["counters"]
+    assert warm["ok"] and c["cache_hits"] == 5 and "pieces_compiled" not in c
+    assert c["artifacts_reused"] >= 1
+    assert c["artifacts_loaded"] + c["artifacts_reused"] == 5

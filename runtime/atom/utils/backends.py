@@ -116,9 +116,24 @@ def split_graph(graph: fx.GraphModule, ops: list[str]) -> tuple[fx.GraphModule, 
     items = []
     for name, module in split_gm.named_children():
         graph_id = int(name.replace("submod_", ""))
+        if graph_id not in split_ids:
+            canonicalize_names(module)
         items.append(SplitItem(name, graph_id, graph_id in split_ids, module))
     items.sort(key=lambda item: item.graph_id)
     return split_gm, items
+
+
+def canonicalize_names(piece: fx.GraphModule) -> None:
+    """Name a piece's values by position (arg_0.., val_0..), not after the layer they came
+    from: identical layers then give identical graphs, so Inductor's graph cache serves the
+    repeats of a cold compile and their artifacts are byte-identical (loaded once when warm).
+    The split module calls pieces positionally, so the names are free to change."""
+    for i, node in enumerate(n for n in piece.graph.nodes if n.op == "placeholder"):
+        node.target = f"arg_{i}"
+        node._rename(f"arg_{i}")
+    for i, node in enumerate(n for n in piece.graph.nodes if n.op not in ("placeholder", "output")):
+        node._rename(f"val_{i}")
+    piece.recompile()
 
 
 # --------------------------------------------------------------------------- buffer check

@@ -161,6 +161,10 @@ class InductorStandaloneAdaptor(CompilerInterface):
     name = "inductor_standalone"
     save_format = "binary"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._loaded: dict[str, Any] = {}  # artifact digest -> loaded artifact
+
     def initialize_cache(self, cache_dir: str, disable_cache: bool = False, prefix: str = "") -> None:
         super().initialize_cache(cache_dir, disable_cache, prefix)
         if not disable_cache:
@@ -222,6 +226,9 @@ class InductorStandaloneAdaptor(CompilerInterface):
         runtime_shape: int | None = None,
     ) -> Callable:
         key, filename, digest = handle
+        if digest in self._loaded:  # a repeated layer's piece: same bytes, loaded once
+            counters.inc("artifacts_reused")
+            return _unwrap_outputs(self._loaded[digest], _graph_returns_tuple(graph))
         path = os.path.join(self.cache_dir, filename)
         try:
             with open(path, "rb") as f:
@@ -235,6 +242,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
         except Exception as exc:
             raise CorruptArtifactError(f"artifact {filename} failed to load: {exc}") from exc
         counters.inc("artifacts_loaded")
+        self._loaded[digest] = artifact
         return _unwrap_outputs(artifact, _graph_returns_tuple(graph))
 
 
