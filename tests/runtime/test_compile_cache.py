@@ -115,7 +115,7 @@ def test_dynamo_trace_is_dropped_when_a_traced_file_changes(tmp_path: Path) -> N
 
     source = tmp_path / "layer.py"
     source.write_text("def f(x):\n    return x * 2\n")
-    entry = warm_start.TraceEntry(warm_start.ENTRY_VERSION, b"", ["L['x']"], [0], {}, 0, "h",
+    entry = warm_start.TraceEntry(warm_start.ENTRY_VERSION, b"", ["L['x']"], [0], {}, "h",
                                   [str(source)], warm_start.files_hash([str(source)]))
     path = str(tmp_path / "trace" / warm_start.ENTRY_FILE)
     warm_start.save(path, entry)

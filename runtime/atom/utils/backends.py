@@ -29,12 +29,19 @@ from atom.utils.compile_hash import compute_cache_hash
 from atom.utils.compiler_interface import (
     CompilerInterface,
     CorruptArtifactError,
+    InductorStandaloneAdaptor,
     atomic_write_bytes,
     make_compiler,
 )
 from atom.utils.counters import counters
 from atom.utils.cuda_piecewise_backend import PiecewiseBackend
-from atom.utils.warm_start import TracedGraph, WarmStartMiss, describe_trace, pickle_split_graph
+from atom.utils.warm_start import (
+    TracedGraph,
+    WarmStartMiss,
+    describe_trace,
+    dynamic_input_indices,
+    pickle_split_graph,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -421,7 +428,7 @@ class VllmBackend:
                 "stale state). Keep state in the forward context or use compilation level 0."
             )
         self.configure_cache(graph, example_inputs)
-        if not self.compiler_manager.disable_cache and self.compiler_manager.compiler.name == "inductor_standalone":
+        if not self.compiler_manager.disable_cache and self._loads_without_trace():
             self.traced = describe_trace(graph)  # for a later warm start without Dynamo
         cc = self.compilation_config
         ops = list(cc.splitting_ops or []) if self.piecewise else []
@@ -435,18 +442,13 @@ class VllmBackend:
         self.compiler_manager.save_to_file()
         self._save_graphs(graph)
         self.graph_count += 1
-        sym_indices = [
-            i
-            for i, x in enumerate(traced_inputs(graph))
-            if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
-        ]
-        return self._callable(sym_indices)
+        return self._callable(dynamic_input_indices(traced_inputs(graph)))
 
     def from_trace(self, split_gm: fx.GraphModule, hash_key: str, dynamic_inputs: list[int],
                    piece_sym_indices: dict[str, list[int]]) -> Callable:
         """The compiled callable for a saved trace (atom.utils.warm_start): the split module
         with every piece loaded from the artifact cache; a missing piece raises WarmStartMiss."""
-        if self.compiler_manager.compiler.name != "inductor_standalone":
+        if not self._loads_without_trace():
             raise WarmStartMiss("only standalone Inductor artifacts load without a trace")
         self.hash_key = hash_key
         self._use_cache_dir()
@@ -464,6 +466,10 @@ class VllmBackend:
         counters.inc("pieces", sum(1 for _ in split_gm.children()))
         self.graph_count += 1
         return self._callable(dynamic_inputs)
+
+    def _loads_without_trace(self) -> bool:
+        """Only standalone Inductor artifacts load without the tracing context."""
+        return self.compiler_manager.compiler.name == InductorStandaloneAdaptor.name
 
     def _callable(self, sym_indices: list[int]) -> Callable:
         cc = self.compilation_config

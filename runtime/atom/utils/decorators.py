@@ -150,10 +150,9 @@ def _disassemble(code: types.CodeType) -> str:
     return out.getvalue()
 
 
-def _bind_tensor_args(forward: Callable, module: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    bound = inspect.signature(forward).bind(module, *args, **kwargs)
-    bound.apply_defaults()
-    return [v for v in bound.arguments.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+def _bind_tensor_args(module: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    bound = warm_start.bind_arguments(module, args, kwargs)
+    return [v for v in bound.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
 
 
 def _wrapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -166,7 +165,7 @@ def _wrapped_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     if self._compile_attempted:
         # No transformed code was captured (should not happen): keep Dynamo's own dispatch.
         return self.compiled_callable(*args, **kwargs)
-    tensors = _bind_tensor_args(type(self).forward, self, args, kwargs)
+    tensors = _bind_tensor_args(self, args, kwargs)
     if any(t.shape[0] < 2 for t in tensors):
         # Dynamo specialises a dimension of size 0 or 1: compile on a batch >= 2.
         logger.debug("batch < 2: running eagerly until a batch >= 2 can be compiled")

@@ -6,7 +6,7 @@ what the trace produced, all of it plain data:
 - Dynamo's FX graph as split into pieces (metadata stripped, pickled);
 - where each graph input comes from, as the Python expression Dynamo itself recorded
   (`L['self']._modules['layers']...`, `L['input_ids'].size()[0]`);
-- which graph output the forward returns, each piece's dynamic-size argument positions, the
+- each piece's dynamic-size argument positions (the forward returns the graph's one output), the
   artifact directory's hash and the content hash of every traced source file.
 A later process with the same pre-trace key (compile config, model structure, argument
 layout, torch/triton/Python versions) and unchanged traced files rebuilds the compiled
@@ -51,7 +51,6 @@ class TraceEntry:
     sources: list[str]  # per graph input: expression over L (the forward's arguments)
     dynamic_inputs: list[int]  # graph inputs whose dimension 0 is the dynamic batch size
     piece_sym_indices: dict[str, list[int]]  # compiled pieces in index order: their size args
-    output_index: int  # the forward returns graph_output[output_index]
     hash_key: str  # the artifact directory's hash
     traced_files: list[str]
     files: dict[str, str] = field(default_factory=dict)  # content hash per traced file
@@ -132,10 +131,14 @@ def describe_trace(graph: fx.GraphModule) -> TracedGraph | None:
         logger.debug("warm start: the graph has %d outputs, not one", len(outs))
         return None
     examples = [n.meta.get("example_value") for n in placeholders]
-    dynamic = [i for i, x in enumerate(examples)
-               if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)]
     ranks = [x.dim() if isinstance(x, torch.Tensor) else None for x in examples]
-    return TracedGraph([s for s in sources if s is not None], dynamic, ranks)
+    return TracedGraph([s for s in sources if s is not None], dynamic_input_indices(examples), ranks)
+
+
+def dynamic_input_indices(examples: list[Any]) -> list[int]:
+    """Positions of the traced inputs (FakeTensors, SymInts) whose shape holds a symbolic size."""
+    return [i for i, x in enumerate(examples)
+            if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)]
 
 
 def pickle_split_graph(split_gm: fx.GraphModule) -> bytes | None:
@@ -173,10 +176,10 @@ def build_entry(backend: Any, module: Any, args: tuple, kwargs: dict, output: An
     pieces = {name: list(sub.sym_shape_indices) for name, sub in backend.split_gm.__dict__.items()
               if hasattr(sub, "sym_shape_indices")}
     files = sorted(backend.compilation_config.traced_files)
-    if list(pieces) != traced.compile_order and sorted(pieces) != sorted(traced.compile_order):
+    if sorted(pieces) != sorted(traced.compile_order):
         return None
     return TraceEntry(ENTRY_VERSION, traced.split_graph, traced.sources, traced.dynamic_inputs,
-                      {name: pieces[name] for name in traced.compile_order}, 0, backend.hash_key,
+                      {name: pieces[name] for name in traced.compile_order}, backend.hash_key,
                       files, files_hash(files))
 
 
@@ -211,9 +214,8 @@ def graph_of(entry: TraceEntry) -> fx.GraphModule:
 def make_forward(entry: TraceEntry, compiled: Callable) -> Callable[[Any, tuple, dict], Any]:
     """forward(module, args, kwargs) running the compiled graph on the resolved inputs."""
     inputs_of = _sources_function(entry.sources)
-    index = entry.output_index
 
     def forward(module: Any, args: tuple, kwargs: dict) -> Any:
-        return compiled(*inputs_of(bind_arguments(module, args, kwargs)))[index]
+        return compiled(*inputs_of(bind_arguments(module, args, kwargs)))[0]
 
     return forward
