@@ -1,11 +1,10 @@
-"""Where a decode step's time goes on the GPU (issue 5): kernel times per graph replay and the
-bandwidth each linear layer's GEMM reaches on its own.
+"""Where a decode step's time goes on the GPU (issue 5): kernel times per graph replay.
 
 For each batch: builds the level-3 engine once (bench/decode_bench.py helpers), records FULL
 graphs, then profiles --iters replays of run_model with torch.profiler and reports per kernel
 name: calls per step, microseconds per step, share of the step; the sum of kernel time per step
-against the wall time (the difference is GPU idle: launch gaps, host work). Also times each
-weight shape's GEMM in a CUDA graph alone and reports its achieved bytes/s.
+against the wall time (the difference is GPU idle: launch gaps, host work). Each projection's
+cuBLAS GEMM on its own: bench/gemv_sweep.py.
 
     python bench/profile_decode.py --out profile.json [--batches 1 8 64]
 """
@@ -24,48 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
-
-
-def gemm_rates(batches: list[int], iters: int = 200) -> list[dict[str, Any]]:
-    """Achieved bytes/s of F.linear per weight shape of the model, each in its own graph."""
-    from atom.models.registry import load_model_config
-
-    c = load_model_config(db.MODEL)
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
-              "gate_up": (2 * c.intermediate_size, c.hidden_size),
-              "down": (c.hidden_size, c.intermediate_size),
-              "lm_head": (c.vocab_size, c.hidden_size)}
-    out = []
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for b in batches:
-            x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
-            torch.nn.functional.linear(x, w)
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                torch.nn.functional.linear(x, w)
-                with torch.cuda.graph(g):
-                    for _ in range(10):
-                        y = torch.nn.functional.linear(x, w)
-            torch.cuda.current_stream().wait_stream(s)
-            del y
-            g.replay()
-            db._sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                g.replay()
-            db._sync()
-            us = (time.perf_counter() - t0) / iters / 10 * 1e6
-            rate = w.numel() * 2 / (us * 1e-6)
-            out.append({"weight": name, "n": n, "k": k, "batch": b, "us": round(us, 2),
-                        "TBps": round(rate / 1e12, 3)})
-            print(f"gemm {name:>8} [{n}x{k}] batch {b:>3}: {us:7.2f} us, "
-                  f"{rate / 1e12:5.2f} TB/s", flush=True)
-        del w
-    return out
 
 
 def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
@@ -108,14 +65,11 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--no-gemm", action="store_true")
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "level": args.level, "profiles": {}}
-    if not args.no_gemm:
-        result["gemm"] = gemm_rates(args.batches)
     max_bs = max(args.batches)
     blocks = max_bs * ((args.context + 1024) // 16 + 2) + 64
     engine, _, _ = db.build_engine(args.level, max_bs, args.context, blocks)

@@ -172,19 +172,19 @@ class AsyncEngine:
             return
         reclaim = getattr(self.engine, "reclaim_kv", None)
         while not self._stop.is_set():
-            if reclaim is not None:
-                reclaim()  # held KV blocks that were pulled or timed out, also while idle
             errors = self._drain_commands()
             outputs: list[Any] = []
             if self.engine.has_unfinished_requests():
                 try:
-                    outputs = self.engine.step()
+                    outputs = self.engine.step()  # reclaims freed KV holds itself
                 except Exception as exc:
                     logger.error("engine step failed:\n%s", traceback.format_exc())
                     self._set_state("failed", f"engine step failed: {exc}")
                     self._post(self._fail_all, EngineDead(f"engine step failed: {exc}"))
                     return
                 self.steps += 1
+            elif reclaim is not None:
+                reclaim()  # held KV blocks that were pulled or timed out, while idle too
             self.last_stats = self._stats()
             if outputs or errors:
                 self._post(self._deliver, outputs, errors)
