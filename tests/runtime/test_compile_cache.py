@@ -62,6 +62,14 @@ def cold_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str,
     return cache_dir, result
 
 
+def copy_of_cold_cache(cold_cache: tuple[str, dict[str, Any]], tmp_path: Path) -> tuple[str, str]:
+    """(cache dir, its model's artifact dir): a private copy of the cold cache to damage."""
+    src_dir, cold = cold_cache
+    cache_dir = str(tmp_path / "cache")
+    shutil.copytree(src_dir, cache_dir)
+    return cache_dir, cold["local_cache_dir"].replace(src_dir, cache_dir)
+
+
 def test_cold_process_compiles_and_saves(cold_cache: tuple[str, dict[str, Any]]) -> None:
     cache_dir, cold = cold_cache
     c = cold["counters"]
@@ -95,9 +103,7 @@ def test_warm_process_on_another_pod_loads_everything(cold_cache: tuple[str, dic
 
 
 def test_corrupt_dynamo_trace_is_traced_again(cold_cache: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
-    src_dir, _ = cold_cache
-    cache_dir = str(tmp_path / "cache")
-    shutil.copytree(src_dir, cache_dir)
+    cache_dir, _ = copy_of_cold_cache(cold_cache, tmp_path)
     (entry,) = Path(cache_dir, "dynamo_traces").rglob("dynamo_trace.pkl")
     entry.write_bytes(entry.read_bytes()[:100])
     result, stderr = run_worker(cache_dir)
@@ -132,10 +138,7 @@ def test_disabled_cache_saves_nothing(tmp_path: Path) -> None:
 
 
 def test_corrupt_artifact_is_recompiled_with_a_warning(cold_cache: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
-    src_dir, cold = cold_cache
-    cache_dir = str(tmp_path / "cache")
-    shutil.copytree(src_dir, cache_dir)
-    local = cold["local_cache_dir"].replace(src_dir, cache_dir)
+    cache_dir, local = copy_of_cold_cache(cold_cache, tmp_path)
     victim = sorted(f for f in os.listdir(local) if f.endswith(".bin"))[0]
     data = Path(local, victim).read_bytes()
     Path(local, victim).write_bytes(data[: len(data) // 2])  # truncated
@@ -150,10 +153,7 @@ def test_corrupt_artifact_is_recompiled_with_a_warning(cold_cache: tuple[str, di
 
 
 def test_corrupt_index_is_rebuilt(cold_cache: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
-    src_dir, cold = cold_cache
-    cache_dir = str(tmp_path / "cache")
-    shutil.copytree(src_dir, cache_dir)
-    local = cold["local_cache_dir"].replace(src_dir, cache_dir)
+    cache_dir, local = copy_of_cold_cache(cold_cache, tmp_path)
     Path(local, CACHE_INDEX_FILE).write_text("{(None, 0, 'inductor_standalone'): ('artifact_sh")
     result, stderr = run_worker(cache_dir)
     assert result["ok"] and result["counters"]["pieces_compiled"] == LAYERS + 1
