@@ -1,9 +1,18 @@
-"""RMSNorm computed in fp32, as Hugging Face Llama/Qwen do, cast back to the input dtype."""
+"""RMSNorm computed in fp32, as Hugging Face Llama/Qwen do, cast back to the input dtype.
+
+Inside a decoder layer the norms run within the projections after them
+(atom.layers.norm_linear); this module holds their weights and serves the final norm and the
+q/k norms."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -12,21 +21,5 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual (norm(x + residual), x + residual).
-
-        The residual sum is taken in fp32 and rounded once: the same value as the model's
-        dtype add, but written so that Inductor fuses it into this norm's kernel rather than
-        into the preceding matmul as an addmm (which costs a copy of the residual and a
-        slower GEMM variant per layer at decode sizes).
-        """
-        if residual is None:
-            return self._norm(x)
-        summed = (x.float() + residual.float()).to(x.dtype)
-        return self._norm(summed), summed
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from atom.config import CompilationLevel
 from atom.engine.sequence import Sequence
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
+from atom.utils.compile_prefetch import CompilePrefetch
 from atom.utils.counters import counters
 from atom.utils.decorators import compile_for_level
 from atom.utils.forward_context import (
@@ -51,6 +53,8 @@ class ModelRunner:
         self.capture_sizes: list[int] = sorted(config.capture_sizes or [])
         torch.manual_seed(int(getattr(config, "seed", 0)))
 
+        compiles = config.compilation_config.level >= CompilationLevel.DYNAMO_ONCE
+        self.compile_prefetch = CompilePrefetch(self.device.type, compiles and not self.enforce_eager)
         self.model = build_model(config, self.hf_config)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.attn_layers = self.model.attention_layers()
@@ -325,6 +329,7 @@ class ModelRunner:
         """Trigger compilation (levels 2-3) on a prefill-sized and a decode-sized batch; >= 2 rows
         so no dimension specialises to 1."""
         t0 = time.perf_counter()
+        self.compile_prefetch.wait()
         self.dummy_run(max(2, min(self.max_num_rows, 2 * self.block_size)), is_prefill=True)
         self.dummy_run(max(2, min(self.max_num_seqs, 8)), is_prefill=False)
         if self.device.type == "cuda":

@@ -14,6 +14,7 @@ from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.linear import Linear, MergedLinear
+from atom.layers.norm_linear import linear_add, norm_linear
 from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 from atom.models.registry import ModelConfig
@@ -47,7 +48,10 @@ class LlamaAttention(nn.Module):
                               self.head_dim ** -0.5, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention over the merged q/k/v projection's output (before o_proj)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             t = q.shape[0]
@@ -57,8 +61,7 @@ class LlamaAttention(nn.Module):
         else:  # one rotation kernel over q's and k's heads together
             qk = self.rotary_emb.rotate(positions, qkv[:, : self.q_size + self.kv_size])
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        out = self.attn(q, k, v)  # strided views: the kernels read rows by stride
-        return self.o_proj(out)
+        return self.attn(q, k, v)  # strided views: the kernels read rows by stride
 
 
 class LlamaMLP(nn.Module):
@@ -85,16 +88,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it); the next norm adds them."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream in, the residual stream out. Each norm runs inside the
+        projection after it, the SiLU gate inside gate_up, and each residual add inside the
+        projection before it (atom.layers.norm_linear: one kernel per projection at decode
+        sizes on CUDA)."""
+        qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj)
+        attn = self.self_attn.attend(positions, qkv)
+        hidden = linear_add(attn, self.self_attn.o_proj, hidden)
+        act = norm_linear(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj, gated=True)
+        return linear_add(act, self.mlp.down_proj, hidden)
 
 
 @token_graph
@@ -114,11 +117,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,177 @@
+"""Decode-sized projections with their neighbours fused in: RMSNorm before, SiLU(gate) * up
+or the residual add after.
+
+At decode sizes (a few rows) a projection is a latency-bound stream of its weight, and the
+small kernels around it (RMSNorm, residual add, SiLU x up) each cost a launch and a drain
+(bench/profile_decode.py). Here one kernel does [norm ->] projection [-> SiLU(gate) * up]
+[+ residual]: each program streams a strip of weight rows across K once and reads the few
+activation rows (L2-resident) alongside.
+
+- The norm's 1/rms is a per-row scalar, applied to the accumulator at the end, and the sum of
+  squares is the diagonal of x x^T on the tensor cores: one pipelined pass over K, no
+  cross-lane reduction in the loop. The rounding differs from norm-then-matmul by a few units
+  in the last place; every compilation level and graph mode runs this same kernel.
+- The residual add is the epilogue of the projection before it (o_proj, down_proj), so the
+  residual stream is written once per projection and never read back by a separate kernel.
+
+For more than MAX_ROWS rows (prefill, larger decode batches) `rows_path` runs a row-wise norm
+kernel, cuBLAS, a SiLU-gate kernel and the add instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does it better
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
+                      M, N, K, eps, stride_x, stride_w, stride_r, stride_y, up_offset,
+                      HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_m = offs_m.to(tl.int64)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_NORM:
+            # Sums of squares: the diagonal of x x^T, on the tensor cores (a row reduction
+            # here would shuffle across lanes every iteration).
+            gram += tl.dot(x, tl.trans(x), input_precision=PRECISION)
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            a = (x.to(tl.float32) * nw[None, :]).to(x.dtype)
+        else:
+            a = x
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+        if GATED:
+            wu = tl.load(w_rows + up_offset * stride_w + kk[None, :],
+                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_up += tl.dot(a, tl.trans(wu), input_precision=PRECISION)
+    if HAS_NORM:
+        sq = tl.sum(tl.where(offs_m[:, None] == offs_m[None, :], gram, 0.0), axis=1)
+        rstd = tl.rsqrt(sq / K + eps)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + up_offset + offs_n, mask=n_mask,
+                              other=0.0).to(tl.float32)[None, :]
+    out_ty = y_ptr.dtype.element_ty
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    # Rounded where the unfused model rounds: each projection's output, SiLU(gate), the sum.
+    out = acc.to(out_ty).to(tl.float32)
+    if GATED:
+        up = acc_up.to(out_ty).to(tl.float32)
+        out = (out * tl.sigmoid(out)).to(out_ty).to(tl.float32) * up
+    if HAS_RES:
+        res = tl.load(res_ptr + rows_m[:, None] * stride_r + offs_n[None, :], mask=out_mask,
+                      other=0.0)
+        out = out.to(out_ty).to(tl.float32) + res.to(tl.float32)
+    tl.store(y_ptr + rows_m[:, None] * stride_y + offs_n[None, :], out.to(out_ty), mask=out_mask)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, nw_ptr, y_ptr, K, eps, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    xf = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    out_ty = y_ptr.dtype.element_ty
+    normed = (xf * rstd).to(out_ty).to(tl.float32)
+    nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (normed * nw).to(out_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + N + offs, mask=mask, other=0.0).to(tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (silu * up).to(out_ty), mask=mask)
+
+
+SMEM_BUDGET = 200 * 1024  # of an H100/H200 SM's 227 KiB: the pipelined tiles, with room
+
+
+def _config(n: int, gated: bool, block_m: int, elem: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), from bench/norm_gemv_sweep.py and gemv_sweep.py on an
+    H200: strips of 16-32 weight rows (twice that when gated) keep every SM streaming on the
+    Llama-3.2-1B shapes; the pipeline depth is what fits the shared-memory budget."""
+    if gated:
+        block_n, block_k, stages = 32, 64, 6
+    elif n <= 2048:
+        block_n, block_k, stages = 16, 512, 3
+    else:
+        block_n, block_k, stages = 32, 512, 3
+    stage_bytes = (block_m + block_n * (2 if gated else 1)) * block_k * elem
+    return block_n, block_k, 4, max(1, min(stages, SMEM_BUDGET // stage_bytes))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= MAX_ROWS."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert residual is None or residual.stride(-1) == 1
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n, block_k, warps, stages = _config(n, gated, block_m, x.element_size())
+    res = residual if residual is not None else y
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, res, y,
+        m, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), y.stride(0), n,
+        HAS_NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+def rows_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The same result for any number of rows: norm kernel, cuBLAS, SiLU-gate kernel, add."""
+    m, k = x.shape
+    if norm_weight is not None and m:
+        normed = torch.empty_like(x)
+        _rmsnorm_kernel[(m,)](x, norm_weight, normed, k, eps, x.stride(0), normed.stride(0),
+                              BLOCK=triton.next_power_of_2(k))
+        x = normed
+    out = F.linear(x, weight, bias)
+    if gated:
+        n = weight.shape[0] // 2
+        gu, out = out, torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m:
+            _silu_mul_kernel[(m, triton.cdiv(n, 1024))](gu, out, n, gu.stride(0), out.stride(0),
+                                                         BLOCK=1024)
+    if residual is not None:
+        out += residual  # in the model's dtype: an fp32 add rounded once
+    return out

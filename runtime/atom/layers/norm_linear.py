@@ -1,0 +1,83 @@
+"""A decoder layer's projections with their neighbours, as ops:
+
+- `aiter::norm_linear`: RMSNorm then a projection (then SiLU(gate) * up for the MLP input);
+- `aiter::linear_add`: a projection plus the residual stream (o_proj, down_proj), which is
+  how the residual is carried: each layer's output projection writes the new stream.
+
+Both are opaque to Dynamo, like the attention op: every compilation level and graph mode runs
+the same implementation, so they produce the same tokens. On CUDA they run the fused Triton
+kernels (atom.kernels.triton_norm_gemv: one kernel per projection at decode sizes);
+elsewhere the model's plain torch math, so CPU numerics are those of the unfused model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom.layers.rmsnorm import rms_norm
+from atom.utils.custom_register import direct_register_custom_op
+
+
+def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                         gated: bool = False, residual: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """The unfused math: RMSNorm in fp32 as Hugging Face does, the projection, SiLU(gate) * up,
+    the residual add in the model's dtype."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    out = F.linear(x, weight, bias)
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out + residual if residual is not None else out
+
+
+def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                **fused: object) -> torch.Tensor:
+    if x.is_cuda:
+        from atom.kernels import triton_norm_gemv as kernels
+
+        run = kernels.gemv if x.shape[0] <= kernels.MAX_ROWS else kernels.rows_path
+        return run(x, weight, bias, **fused)
+    return reference_projection(x, weight, bias, **fused)
+
+
+def _norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                 bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    return _projection(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+
+
+def _norm_linear_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+                      ) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
+
+
+def _linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor) -> torch.Tensor:
+    return _projection(x, weight, bias, residual=residual)
+
+
+def _linear_add_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     residual: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+direct_register_custom_op("norm_linear", _norm_linear, fake_impl=_norm_linear_fake,
+                          dispatch_key=("CPU", "CUDA"))
+direct_register_custom_op("linear_add", _linear_add, fake_impl=_linear_add_fake,
+                          dispatch_key=("CPU", "CUDA"))
+
+
+def norm_linear(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module,
+                gated: bool = False) -> torch.Tensor:
+    """proj(norm(x)); gated: proj is a merged gate/up projection, the result SiLU(gate) * up.
+    norm: an RMSNorm (weight, eps); proj: a Linear (weight, bias)."""
+    return torch.ops.aiter.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias, gated)
+
+
+def linear_add(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    """residual + proj(x): the residual stream after an output projection."""
+    return torch.ops.aiter.linear_add(x, proj.weight, proj.bias, residual)

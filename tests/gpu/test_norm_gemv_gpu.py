@@ -1,0 +1,80 @@
+"""The fused decode projections on CUDA in bf16 (aiter::norm_linear, aiter::linear_add),
+against the model's unfused torch math computed in fp32, on the Llama-3.2-1B projection
+shapes, on both sides of the fused kernel's row limit; and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import atom.layers.norm_linear  # noqa: F401 - registers the ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels)"),
+]
+
+HIDDEN, QKV, FFN = 2048, 3072, 8192
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # bf16 rounding of the dot's inputs and of the output: about 1% of the output scale.
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 64, 300])
+@pytest.mark.parametrize(("gated", "bias"), [(False, False), (False, True), (True, False)])
+def test_norm_linear_matches_unfused_math(rows: int, gated: bool, bias: bool) -> None:
+    from atom.layers.norm_linear import reference_projection
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    n = 2 * FFN if gated else QKV
+    x, norm_w = _randn(gen, rows, HIDDEN), 1 + _randn(gen, HIDDEN, scale=0.1)
+    w, b = _randn(gen, n, HIDDEN, scale=HIDDEN ** -0.5), _randn(gen, n) if bias else None
+    out = torch.ops.aiter.norm_linear(x, norm_w, 1e-5, w, b, gated)
+    ref = reference_projection(x.float(), w.float(), b.float() if bias else None,
+                               norm_weight=norm_w.float(), eps=1e-5, gated=gated)
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 300])
+@pytest.mark.parametrize(("k", "bias"), [(HIDDEN, False), (FFN, True)])
+def test_linear_add_matches_unfused_math(rows: int, k: int, bias: bool) -> None:
+    from atom.layers.norm_linear import reference_projection
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + k)
+    x, res = _randn(gen, rows, k), _randn(gen, rows, HIDDEN)
+    w, b = _randn(gen, HIDDEN, k, scale=k ** -0.5), _randn(gen, HIDDEN) if bias else None
+    out = torch.ops.aiter.linear_add(x, w, b, res)
+    ref = reference_projection(x.float(), w.float(), b.float() if bias else None,
+                               residual=res.float())
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("op", ["norm_linear", "norm_linear_gated", "linear_add"])
+def test_replays_in_a_cuda_graph(op: str) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = _randn(gen, 4, HIDDEN)
+    norm_w = 1 + _randn(gen, HIDDEN, scale=0.1)
+    res = _randn(gen, 4, HIDDEN)
+    n = 2 * FFN if op == "norm_linear_gated" else (HIDDEN if op == "linear_add" else QKV)
+    w = _randn(gen, n, HIDDEN, scale=HIDDEN ** -0.5)
+
+    def call() -> torch.Tensor:
+        if op == "linear_add":
+            return torch.ops.aiter.linear_add(x, w, None, res)
+        return torch.ops.aiter.norm_linear(x, norm_w, 1e-5, w, None, op.endswith("gated"))
+
+    before = call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    x.copy_(torch.randn_like(x))  # new inputs at the recorded addresses
+    graph.replay()
+    assert torch.equal(out, call()) and not torch.equal(out, before)

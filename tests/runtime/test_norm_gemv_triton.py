@@ -1,0 +1,119 @@
+"""The fused decode projections (norm before, SiLU gate or residual add after) on the CPU: their logic through Triton's
+interpreter against the model's unfused torch math, and an sm_90 compile of every variant.
+
+As in test_model_attention_triton.py, each interpreter case runs this file as a fresh
+subprocess with TRITON_INTERPRET=1 (Triton reads the switch when it is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# name: (rows, norm, gated, bias, residual); K=96 and N=40 are not multiples of the blocks.
+CASES = {
+    "1row-norm": (1, True, False, False, False),
+    "5rows-norm-bias": (5, True, False, True, False),
+    "2rows-norm-gated": (2, True, True, False, False),
+    "16rows-norm-gated-bias": (16, True, True, True, False),
+    "3rows-residual": (3, False, False, False, True),
+    "9rows-residual-bias": (9, False, False, True, True),
+    "40rows-norm-gated": (40, True, True, False, False),  # rows_path from here on
+    "40rows-residual-bias": (40, False, False, True, True),
+}
+K, N = 96, 40
+
+
+def _run_case(name: str) -> None:
+    import torch
+
+    import atom.kernels.triton_norm_gemv as kernels
+    from atom.layers.norm_linear import reference_projection
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_model_attention_triton import _numpy2_scalar_fix
+
+    _numpy2_scalar_fix()
+    rows, norm, gated, has_bias, has_res = CASES[name]
+    gen = torch.Generator().manual_seed(rows)
+    out_n = 2 * N if gated else N
+    x = torch.randn(rows, K, generator=gen)
+    fused = {
+        "norm_weight": 1 + 0.1 * torch.randn(K, generator=gen) if norm else None,
+        "eps": 1e-6,
+        "gated": gated,
+        "residual": torch.randn(rows, N, generator=gen) if has_res else None,
+    }
+    weight = torch.randn(out_n, K, generator=gen) / K ** 0.5
+    bias = torch.randn(out_n, generator=gen) if has_bias else None
+    ref = reference_projection(x, weight, bias, **fused)
+    run = kernels.gemv if rows <= kernels.MAX_ROWS else kernels.rows_path
+    out = run(x, weight, bias, **fused)
+    assert out.shape == ref.shape == (rows, N)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_norm_gemv_in_interpreter(name: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, name], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"ok {name}" in proc.stdout
+
+
+def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
+    """Every constexpr variant the launchers use, in bf16 and fp32, to sm_90 PTX and SASS."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import atom.kernels.triton_norm_gemv as kernels
+
+    def build(fn: object, sig: dict[str, str], consts: dict[str, object],
+              options: dict[str, int] | None = None) -> None:
+        # As a launch specialises them: 16-byte aligned pointers, strides and sizes, which is
+        # what enables the asynchronous copies whose pipeline stages take shared memory.
+        names = list(sig)
+        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+                   if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "up_offset")}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["ptx"] and compiled.asm["cubin"]
+        # The launch would refuse more shared memory than an H100/H200 SM has (227 KiB).
+        assert compiled.metadata.shared <= 232448, (fn, consts, compiled.metadata.shared)
+
+    for dt in ("bf16", "fp32"):
+        ptrs = {p: f"*{dt}" for p in ("x_ptr", "nw_ptr", "w_ptr", "b_ptr", "res_ptr", "y_ptr")}
+        ints = {p: "i32" for p in ("M", "N", "K")}
+        ints_after = {p: "i32" for p in ("stride_x", "stride_w", "stride_r", "stride_y",
+                                         "up_offset")}
+        flags = ("HAS_NORM", "GATED", "HAS_BIAS", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+                 "PRECISION")
+        sig = {**ptrs, **ints, "eps": "fp32", **ints_after, **{f: "constexpr" for f in flags}}
+        # (n, norm, gated, bias, residual, BLOCK_M): the model's four projections, and more.
+        for n, norm, gated, bias, res, block_m in [
+                (3072, True, False, False, False, 16), (3072, True, False, True, False, 16),
+                (2048, False, False, False, True, 16), (8192, True, True, False, False, 16),
+                (8192, True, True, True, False, 16), (2048, False, False, True, True, 16)]:
+            block_n, block_k, _, stages = kernels._config(n, gated, block_m,
+                                                          4 if dt == "fp32" else 2)
+            build(kernels._norm_gemv_kernel, sig, {
+                "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
+                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                "PRECISION": "ieee" if dt == "fp32" else "tf32"}, {"num_stages": stages})
+        build(kernels._rmsnorm_kernel,
+              {"x_ptr": f"*{dt}", "nw_ptr": f"*{dt}", "y_ptr": f"*{dt}", "K": "i32",
+               "eps": "fp32", "stride_x": "i32", "stride_y": "i32", "BLOCK": "constexpr"},
+              {"BLOCK": 2048})
+        build(kernels._silu_mul_kernel,
+              {"gu_ptr": f"*{dt}", "y_ptr": f"*{dt}", "N": "i32", "stride_gu": "i32",
+               "stride_y": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
+
+
+if __name__ == "__main__":
+    _run_case(sys.argv[1])
+    print(f"ok {sys.argv[1]}")
