@@ -9,6 +9,11 @@ Each run is a new Python process without a kernel cache of its own, as a fresh p
 
 Prints per-run numbers, the medians, and a markdown row for bench/RESULTS.md.
 Goal (issue 3): warm start at most 20% of cold.
+
+For the Llama model, --with-level0 also starts the same engine at level 0 (nothing compiled
+or captured) and reports what compiling adds to the engine start, cold and warm: the compile
+phase alone can look smaller than it is once some of its set-up overlaps the model build
+(atom.utils.compile_prefetch), and this difference cannot.
 """
 
 from __future__ import annotations
@@ -99,7 +104,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--no-fast-isa", dest="fast_isa", action="store_false")
+    ap.add_argument("--with-level0", action="store_true",
+                    help="llama: also time the level-0 engine start and subtract it")
     args = ap.parse_args()
+    if args.with_level0 and args.model != "llama":
+        ap.error("--with-level0 needs --model llama")
 
     work = tempfile.mkdtemp(prefix="atom-compile-bench-")
     cold, warm = [], []
@@ -124,6 +133,13 @@ def main() -> None:
     print(f"median compile:       cold {c:.2f}s  warm {w:.2f}s  warm/cold {ratio:.0%}")
     print(f"median engine start:  cold {cs:.2f}s  warm {ws:.2f}s  warm/cold {ws / cs:.0%}")
     print(f"median process wall:  cold {cw:.2f}s  warm {ww:.2f}s  warm/cold {ww / cw:.0%}")
+    if args.with_level0:
+        base_args = argparse.Namespace(**{**vars(args), "level": 0})
+        base = [run_once("llama", os.path.join(work, f"level0-{i}"), base_args)
+                for i in range(args.repeats)]
+        b = med(base, "start_s")
+        print(f"median level-0 engine start {b:.2f}s; what compiling adds to it: cold "
+              f"{cs - b:.2f}s  warm {ws - b:.2f}s  warm/cold {(ws - b) / (cs - b):.0%}")
     print(
         f"| {time.strftime('%Y-%m-%d')} | compile_bench --model {args.model} --level {args.level} "
         f"--repeats {args.repeats} | cold {c:.2f}s | warm {w:.2f}s | {ratio:.0%} |"

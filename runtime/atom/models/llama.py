@@ -28,6 +28,9 @@ def _max_positions(atom_config: Any, hf_config: ModelConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
+    """Attention's weights and the step between its projections (the decoder layer runs the
+    projections, fused with the norm before and the residual add after)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, max_positions: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -47,9 +50,6 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, layer_id)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(hidden)))
-
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention over the merged q/k/v projection's output (before o_proj)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -65,19 +65,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The MLP's weights; the decoder layer runs them (gate_up with the norm and SiLU gate
+    fused, down with the residual add)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                            "up": cfg.intermediate_size},
                                          bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
