@@ -60,19 +60,26 @@ def child(argv: list[str]) -> None:
         sys.exit(main(rest))
 
 
-def run_once(kind: str, cache_dir: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", kind]
-    if args.fast_isa:
-        cmd.append("--fast-isa")
+def child_args(kind: str, cache_dir: str, args: argparse.Namespace) -> list[str]:
+    """This script's arguments for one run in a fresh process (after `python compile_bench.py`)."""
+    cmd = ["--child", kind, *(["--fast-isa"] if args.fast_isa else [])]
     if kind == "toy":
-        cmd += ["--cache-dir", cache_dir, "--layers", str(args.layers), "--level", str(args.level)]
-    else:
-        cmd += [
-            "warmup", "--model", args.llama_name, "--load-format", "dummy", "--dtype", args.dtype,
-            "--level", str(args.level), "--compile-cache-dir", cache_dir, "--max-num-seqs", "8",
-            "--log-level", "warning",
-        ]
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        return cmd + ["--cache-dir", cache_dir, "--layers", str(args.layers), "--level", str(args.level)]
+    return cmd + [
+        "warmup", "--model", args.llama_name, "--load-format", "dummy", "--dtype", args.dtype,
+        "--level", str(args.level), "--compile-cache-dir", cache_dir, "--max-num-seqs", "8",
+        "--log-level", "warning",
+    ]
+
+
+def child_env() -> dict[str, str]:
+    """No kernel cache of its own: Inductor's and Triton's caches live in the compile cache."""
+    return {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+
+def run_once(kind: str, cache_dir: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, *child_args(kind, cache_dir, args)]
+    env = child_env()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     wall = time.perf_counter() - t0

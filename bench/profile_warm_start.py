@@ -24,16 +24,14 @@ from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent / "compile_bench.py"
+sys.path.insert(0, str(BENCH.parent))
+import compile_bench  # noqa: E402
+
 PHASE = "warmup_model"
 
 
 def warmup_cmd(args: argparse.Namespace, cache_dir: str) -> list[str]:
-    return [
-        "--child", "llama", *(["--fast-isa"] if args.fast_isa else []), "warmup",
-        "--model", args.llama_name, "--load-format", "dummy", "--dtype", args.dtype,
-        "--level", "3", "--compile-cache-dir", cache_dir, "--max-num-seqs", "8",
-        "--log-level", "warning",
-    ]
+    return compile_bench.child_args("llama", cache_dir, argparse.Namespace(**vars(args), level=3))
 
 
 def _frame_name(code: Any) -> str:
@@ -68,9 +66,6 @@ def sampled_child(out: str, interval_s: float, argv: list[str]) -> None:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    sys.path.insert(0, str(BENCH.parent))
-    import compile_bench
-
     try:
         compile_bench.child(argv)
     except SystemExit:
@@ -98,10 +93,11 @@ def main() -> None:
     args = ap.parse_args()
     cache_dir = tempfile.mkdtemp(prefix="atom-warm-profile-")
     subprocess.run([sys.executable, str(BENCH), *warmup_cmd(args, cache_dir)], check=True,
-                   capture_output=True)
+                   capture_output=True, env=compile_bench.child_env())
     t0 = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--sampled-child", args.out,
-                    str(args.interval_ms / 1000), *warmup_cmd(args, cache_dir)], check=True)
+                    str(args.interval_ms / 1000), *warmup_cmd(args, cache_dir)], check=True,
+                   env=compile_bench.child_env())
     print(f"warm process: {time.perf_counter() - t0:.2f}s")
     data = json.loads(Path(args.out).read_text())
     n = max(data["samples"], 1)
