@@ -67,24 +67,9 @@ def test_norm_gemv_in_interpreter(name: str) -> None:
 
 def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
     """Every constexpr variant the launchers use, in bf16 and fp32, to sm_90 PTX and SASS."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     import atom.kernels.triton_norm_gemv as kernels
-
-    def build(fn: object, sig: dict[str, str], consts: dict[str, object],
-              options: dict[str, int] | None = None) -> None:
-        # As a launch specialises them: 16-byte aligned pointers, strides and sizes, which is
-        # what enables the asynchronous copies whose pipeline stages take shared memory.
-        names = list(sig)
-        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-                   if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "up_offset")}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
-        assert compiled.asm["ptx"] and compiled.asm["cubin"]
-        # The launch would refuse more shared memory than an H100/H200 SM has (227 KiB).
-        assert compiled.metadata.shared <= 232448, (fn, consts, compiled.metadata.shared)
+    from atom.kernels.testing import compile_for_hopper
 
     for dt in ("bf16", "fp32"):
         ptrs = {p: f"*{dt}" for p in ("x_ptr", "nw_ptr", "w_ptr", "b_ptr", "res_ptr", "y_ptr")}
@@ -101,15 +86,15 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
                 (8192, True, True, True, False, 16), (2048, False, False, True, True, 16)]:
             block_n, block_k, _, stages = kernels._config(n, gated, block_m,
                                                           4 if dt == "fp32" else 2)
-            build(kernels._norm_gemv_kernel, sig, {
+            compile_for_hopper(kernels._norm_gemv_kernel, sig, {
                 "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                "PRECISION": "ieee" if dt == "fp32" else "tf32"}, {"num_stages": stages})
-        build(kernels._rmsnorm_kernel,
+                "PRECISION": "ieee" if dt == "fp32" else "tf32"}, stages, ("N", "K", "up_offset"))
+        compile_for_hopper(kernels._rmsnorm_kernel,
               {"x_ptr": f"*{dt}", "nw_ptr": f"*{dt}", "y_ptr": f"*{dt}", "K": "i32",
                "eps": "fp32", "stride_x": "i32", "stride_y": "i32", "BLOCK": "constexpr"},
               {"BLOCK": 2048})
-        build(kernels._silu_mul_kernel,
+        compile_for_hopper(kernels._silu_mul_kernel,
               {"gu_ptr": f"*{dt}", "y_ptr": f"*{dt}", "N": "i32", "stride_gu": "i32",
                "stride_y": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
 

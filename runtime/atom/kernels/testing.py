@@ -70,3 +70,30 @@ def random_paged_batch(q_lens: list[int], ctx_lens: list[int], num_heads: int, n
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         num_seqs=len(q_lens), num_rows=num_rows, max_seqlen_q=max(q_lens),
     )
+
+
+HOPPER_SHARED_MEMORY = 232448  # bytes per SM an H100/H200 launch may use (227 KiB)
+
+
+def compile_for_hopper(fn: object, signature: dict[str, str], constexprs: dict[str, object],
+                       num_stages: int | None = None, aligned: tuple[str, ...] = ()) -> object:
+    """Compile a Triton kernel ahead of time to sm_90 PTX and SASS, without a GPU, and check
+    that it fits an SM's shared memory. Pointers, strides and the `aligned` arguments are
+    marked 16-byte divisible, as a launch specialises them: that is what enables the
+    asynchronous copies whose pipeline stages take shared memory, so the size checked is the
+    one a launch would ask for."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    hints = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or n.startswith("stride") or n in aligned}
+    options = {} if num_stages is None else {"num_stages": num_stages}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                        attrs=hints),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm["ptx"] and compiled.asm["cubin"], fn
+    assert compiled.metadata.shared <= HOPPER_SHARED_MEMORY, (fn, constexprs,
+                                                              compiled.metadata.shared)
+    return compiled
