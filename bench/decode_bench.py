@@ -119,7 +119,6 @@ def fill_batch(engine, batch: int, context: int) -> None:
 def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
     """(runner, input_ids, logits indices) of the next decode batch, prepared once with its
     forward context set; on exit the sequences are un-scheduled (the next step takes them)."""
-    from atom.utils.forward_context import reset_forward_context
 
     runner = engine.runner
     sched = engine.scheduler.schedule()
@@ -132,11 +131,8 @@ def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
         with torch.inference_mode():
             input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
             idx = torch.arange(len(seqs), device=runner.device)
-            runner.set_context(meta, context)
-            try:
+            with runner.step_context(meta, context):
                 yield runner, input_ids, idx
-            finally:
-                reset_forward_context()
     finally:
         for s in seqs:
             s.num_scheduled_tokens = 0

@@ -267,7 +267,6 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
     import torch
 
     from atom.engine.llm_engine import LLMEngine
-    from atom.utils.forward_context import reset_forward_context
     from atom.utils.region_graph import CpuOpRecorder
 
     cfg = Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
@@ -288,12 +287,9 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
         ids, pos, md, ctx = runner.build_dummy_decode(2, 2)
         assert md.max_seqlen_q == 2
         ids.copy_(torch.tensor([7, 8, 9, 10]))
-        runner.set_context(md, ctx)
-        try:
+        with runner.step_context(md, ctx):
             out = gr.maybe_replay(runner, ids)
             assert out is not None
             out = out.clone()
             ref = runner.model(ids, pos)
-        finally:
-            reset_forward_context()
     torch.testing.assert_close(out, ref)

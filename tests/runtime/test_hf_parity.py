@@ -17,7 +17,6 @@ transformers = pytest.importorskip("transformers")
 from atom.config import CompilationConfig, Config  # noqa: E402
 from atom.engine import LLMEngine, SamplingParams  # noqa: E402
 from atom.engine.sequence import Sequence  # noqa: E402
-from atom.utils.forward_context import reset_forward_context  # noqa: E402
 
 HAS_COMPILE = importlib.util.find_spec("atom.utils.backends") is not None
 
@@ -94,12 +93,10 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     seq.num_scheduled_tokens = len(prompt)
     runner = engine.runner
     ids, _, meta, ctx = runner.prepare_inputs([seq], is_prefill=True)
-    runner.set_context(meta, ctx)
     try:
-        with torch.inference_mode():
+        with runner.step_context(meta, ctx), torch.inference_mode():
             logits, _ = runner.run_model(ids)
     finally:
-        reset_forward_context()
         engine.block_manager.free(seq)
     return logits
 

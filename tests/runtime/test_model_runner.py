@@ -8,7 +8,7 @@ import torch
 from atom.config import Config
 from atom.engine import LLMEngine, SamplingParams
 from atom.engine.sequence import Sequence
-from atom.utils.forward_context import get_forward_context, reset_forward_context
+from atom.utils.forward_context import get_forward_context
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,8 @@ def _free(engine: LLMEngine, seqs: list[Sequence]) -> None:
 
 def _forward(engine: LLMEngine, prepared) -> torch.Tensor:
     ids, _, meta, ctx = prepared
-    runner = engine.runner
-    runner.set_context(meta, ctx)
-    try:
-        with torch.inference_mode():
-            logits, _ = runner.run_model(ids)
-    finally:
-        reset_forward_context()
+    with engine.runner.step_context(meta, ctx), torch.inference_mode():
+        logits, _ = engine.runner.run_model(ids)
     return logits
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -24,8 +25,9 @@ from atom.utils.decorators import compile_for_level
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,
+    ForwardContext,
+    forward_context,
     get_forward_context,
-    reset_forward_context,
     set_forward_context,
 )
 
@@ -246,9 +248,18 @@ class ModelRunner:
                            [[self.dummy_block]] * num_seqs, is_prefill, num_seqs, rows)
 
     # ---- forward -------------------------------------------------------------------------
+    def _context_kwargs(self, meta: AttentionMetaData, context: Context) -> dict[str, Any]:
+        return dict(attn_metadata=meta, atom_config=self.config, context=context,
+                    num_tokens=context.running_tokens, no_compile_layers=self.attn_layers)
+
     def set_context(self, meta: AttentionMetaData, context: Context) -> None:
-        set_forward_context(attn_metadata=meta, atom_config=self.config, context=context,
-                            num_tokens=context.running_tokens, no_compile_layers=self.attn_layers)
+        """Install the step's forward context (with this runner's attention layers)."""
+        set_forward_context(**self._context_kwargs(meta, context))
+
+    def step_context(self, meta: AttentionMetaData, context: Context
+                     ) -> AbstractContextManager[ForwardContext]:
+        """The step's forward context for a with-block, reset afterwards."""
+        return forward_context(**self._context_kwargs(meta, context))
 
     def run_model(self, input_ids: torch.Tensor,
                   logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,11 +301,8 @@ class ModelRunner:
         input_ids, _, meta, context = self.prepare_inputs(seqs, is_prefill, pad_rows, pad_seqs)
         idx, sampled = self._logits_indices(seqs)
         indices = torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
-        self.set_context(meta, context)
-        try:
+        with self.step_context(meta, context):
             logits, _ = self.run_model(input_ids, indices)
-        finally:
-            reset_forward_context()
         return logits, sampled
 
     @torch.inference_mode()
@@ -303,27 +311,21 @@ class ModelRunner:
         q_len = min(self.block_size, num_rows) if is_prefill else 1
         num_seqs = _cdiv(num_rows, q_len)
         input_ids, _, meta, context = self._build_dummy(num_seqs, q_len, is_prefill)
-        self.set_context(meta, context)
-        try:
+        with self.step_context(meta, context):
             self.run_model(input_ids)
-        finally:
-            reset_forward_context()
 
     @torch.inference_mode()
     def profile_run(self) -> None:
         """The largest prefill the scheduler can produce, before the KV cache exists."""
         rows = self.max_num_rows
-        self.set_context(AttentionMetaData(num_rows=rows), Context(
-            positions=self.forward_vars["positions"][:rows], is_prefill=True, batch_size=1,
-            running_bs=1, running_tokens=rows))
-        try:
+        context = Context(positions=self.forward_vars["positions"][:rows], is_prefill=True,
+                          batch_size=1, running_bs=1, running_tokens=rows)
+        with self.step_context(AttentionMetaData(num_rows=rows), context):
             # The backbone's plain forward: eager, so profiling neither compiles nor records.
             backbone = self.model.model
             hidden = backbone.forward(self.forward_vars["input_ids"][:rows],
                                       self.forward_vars["positions"][:rows])
             self.model.compute_logits(hidden[: self.max_num_seqs])
-        finally:
-            reset_forward_context()
 
     def warmup_model(self) -> float:
         """Trigger compilation (levels 2-3) on a prefill-sized and a decode-sized batch; >= 2 rows
