@@ -155,7 +155,16 @@ def redirect_kernel_caches(base_dir: str) -> None:
         os.environ[f"_ATOM_SET_{var}"] = "1"  # ours: a later cache dir may move it again
 
 
-class InductorStandaloneAdaptor(CompilerInterface):
+class _InductorCompiler(CompilerInterface):
+    """Both Inductor adaptors: Inductor's and Triton's kernel caches live in the compile cache."""
+
+    def initialize_cache(self, cache_dir: str, disable_cache: bool = False, prefix: str = "") -> None:
+        super().initialize_cache(cache_dir, disable_cache, prefix)
+        if not disable_cache:
+            redirect_kernel_caches(os.path.dirname(cache_dir.rstrip(os.sep)) if prefix else cache_dir)
+
+
+class InductorStandaloneAdaptor(_InductorCompiler):
     """torch._inductor.standalone_compile + CompiledArtifact.save/load (binary format)."""
 
     name = "inductor_standalone"
@@ -164,11 +173,6 @@ class InductorStandaloneAdaptor(CompilerInterface):
     def __init__(self) -> None:
         super().__init__()
         self._loaded: dict[str, Any] = {}  # artifact digest -> loaded artifact
-
-    def initialize_cache(self, cache_dir: str, disable_cache: bool = False, prefix: str = "") -> None:
-        super().initialize_cache(cache_dir, disable_cache, prefix)
-        if not disable_cache:
-            redirect_kernel_caches(os.path.dirname(cache_dir.rstrip(os.sep)) if prefix else cache_dir)
 
     def compute_hash(self, atom_config: Any) -> str:
         from atom.utils.compile_hash import stable_hash
@@ -246,7 +250,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
         return _unwrap_outputs(artifact, _graph_returns_tuple(graph))
 
 
-class InductorAdaptor(CompilerInterface):
+class InductorAdaptor(_InductorCompiler):
     """compile_fx for torch < 2.8: Inductor's own FX-graph cache, kept under our cache dir.
 
     It has no portable handle, so a warm start re-runs compile_fx, which then hits
@@ -254,11 +258,6 @@ class InductorAdaptor(CompilerInterface):
     """
 
     name = "inductor"
-
-    def initialize_cache(self, cache_dir: str, disable_cache: bool = False, prefix: str = "") -> None:
-        super().initialize_cache(cache_dir, disable_cache, prefix)
-        if not disable_cache:
-            redirect_kernel_caches(os.path.dirname(cache_dir.rstrip(os.sep)) if prefix else cache_dir)
 
     def compute_hash(self, atom_config: Any) -> str:
         from atom.utils.compile_hash import stable_hash
