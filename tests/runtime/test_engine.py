@@ -114,3 +114,16 @@ def test_stats_fields(engine: LLMEngine) -> None:
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_total"):
         assert key in s
     assert s["kv_blocks_total"] == 64
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_one_sequence_engine_warms_up_and_generates(level: int) -> None:
+    """max_num_seqs=1: the warm-up's dummy batches fit the runner's one-sequence buffers."""
+    from atom.config import CompilationConfig
+
+    e = LLMEngine(Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
+                         max_model_len=64, num_kv_blocks=16, max_num_seqs=1, seed=7,
+                         compilation_config=CompilationConfig(level=level)))
+    assert e.warmup()["level"] == level
+    one, two = e.generate([P1, P2], GREEDY)  # the second waits for the first's slot
+    assert len(one) == len(two) == GREEDY.max_tokens

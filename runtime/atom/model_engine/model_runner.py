@@ -329,11 +329,13 @@ class ModelRunner:
 
     def warmup_model(self) -> float:
         """Trigger compilation (levels 2-3) on a prefill-sized and a decode-sized batch; >= 2 rows
-        so no dimension specialises to 1."""
+        where the limits allow, so no dimension specialises to 1. A dummy prefill sequence
+        fills at most the one reserved block, so it takes at most max_num_seqs of them."""
         t0 = time.perf_counter()
         self.compile_prefetch.wait()
-        self.dummy_run(max(2, min(self.max_num_rows, 2 * self.block_size)), is_prefill=True)
-        self.dummy_run(max(2, min(self.max_num_seqs, 8)), is_prefill=False)
+        prefill_rows = min(self.max_num_rows, self.block_size * min(2, self.max_num_seqs))
+        self.dummy_run(max(2, prefill_rows), is_prefill=True)
+        self.dummy_run(max(min(2, self.max_num_seqs), min(self.max_num_seqs, 8)), is_prefill=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
