@@ -67,19 +67,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     return y
 
 
-def time_graph(fn: Any, iters: int = 50) -> float:
-    """Microseconds per call of fn, recorded CALLS times in one graph."""
+def record_graph(fn: Any, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """fn run once (its kernels compiled), then recorded `calls` times in one CUDA graph that
+    is replayed once before it is returned."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(CALLS):
+            for _ in range(calls):
                 fn()
     torch.cuda.current_stream().wait_stream(s)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(fn: Any, iters: int = 50) -> float:
+    """Microseconds per call of fn, recorded CALLS times in one graph."""
+    g = record_graph(fn, CALLS)
     samples = []
     for _ in range(5):
         t0 = time.perf_counter()

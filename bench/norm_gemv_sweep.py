@@ -1,30 +1,117 @@
 """The fused norm -> projection kernel (atom.kernels.triton_norm_gemv) against cuBLAS, by
 variant and tile configuration, on the Llama-3.2-1B decode projections (issue 5).
 
-Variants: plain (projection only), +norm, +norm+residual, and the gated MLP input; each timed
-as 20 back-to-back calls in one CUDA graph (bench/gemv_sweep.py's method), per row count.
+Tiles: each projection (qkv and gate_up plain and with the norm, o and down with the
+residual) per tile configuration, timed as 20 back-to-back calls in one CUDA graph
+(bench/gemv_sweep.py's method) over weight copies that overflow L2, per row count.
+Chain: the four projections of 16 decoder layers (qkv with its norm, o_proj + residual,
+gate_up with norm and gate, down_proj + residual) in one graph, as a decode step runs them,
+with the default tiles and with the same tiles on one accumulator (no K split); per layer,
+beside the layer's weight bytes over the measured copy rate.
 
-    python bench/norm_gemv_sweep.py --out sweep.json [--rows 1 8]
+    python bench/norm_gemv_sweep.py --out sweep.json [--rows 1 8] [--skip-tiles]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_sweep import time_graph  # noqa: E402
+from decode_bench import copy_rate_bytes_per_s  # noqa: E402
+from gemv_sweep import record_graph, time_graph  # noqa: E402
 
+# (BLOCK_N, BLOCK_K, warps, stages, SPLIT): SPLIT 1 is one accumulator chain per strip.
 CONFIGS = {
-    "qkv": [(32, 512, 4, 3), (32, 256, 4, 3), (16, 512, 4, 3), (64, 128, 4, 4)],
-    "gate_up": [(32, 64, 4, 6), (64, 64, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4)],
+    "qkv": [(32, 512, 4, 3, 1), (32, 512, 4, 3, 4), (32, 256, 4, 4, 4), (16, 512, 4, 3, 4),
+            (32, 512, 8, 3, 8)],
+    "gate_up": [(32, 64, 4, 6, 1), (64, 64, 4, 4, 1), (32, 128, 4, 4, 1), (16, 128, 4, 6, 1),
+                (32, 64, 4, 6, 4)],
+    "o": [(16, 512, 4, 3, 1), (16, 512, 4, 3, 4), (16, 1024, 4, 3, 4), (16, 512, 8, 3, 8),
+          (16, 256, 4, 6, 4)],
+    "down": [(16, 512, 4, 3, 1), (16, 512, 4, 3, 4), (16, 1024, 4, 3, 4), (16, 1024, 8, 3, 8),
+             (16, 512, 8, 4, 8)],
 }
+
+
+HIDDEN, QKV, FFN, LAYERS = 2048, 3072, 8192, 16
+
+
+def _layer_weights() -> list[dict[str, torch.Tensor]]:
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    ones = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    return [{"qkv": w(QKV, HIDDEN), "o": w(HIDDEN, HIDDEN), "gate_up": w(2 * FFN, HIDDEN),
+             "down": w(HIDDEN, FFN), "norm": ones} for _ in range(LAYERS)]
+
+
+def _chain(kernels: Any, layers: list[dict[str, torch.Tensor]], hidden: torch.Tensor) -> None:
+    """The decode step's projections, layer after layer (attention left out: o_proj reads
+    the q part of qkv), writing the final residual stream back into `hidden`."""
+    h = hidden
+    for lw in layers:
+        qkv = kernels.gemv(h, lw["qkv"], None, norm_weight=lw["norm"], eps=1e-5)
+        h = kernels.gemv(qkv[:, :HIDDEN], lw["o"], None, residual=h)
+        act = kernels.gemv(h, lw["gate_up"], None, norm_weight=lw["norm"], eps=1e-5, gated=True)
+        h = kernels.gemv(act, lw["down"], None, residual=h)
+    hidden.copy_(h)
+
+
+def _time_chain(fn: Any, replays: int = 20, repeats: int = 7) -> float:
+    """Median microseconds of one replay of fn recorded in a CUDA graph."""
+    g = record_graph(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / replays)
+    return statistics.median(samples)
+
+
+def chain(kernels: Any, rows: list[int]) -> dict[str, Any]:
+    layers = _layer_weights()
+    layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
+    rate = copy_rate_bytes_per_s()
+    out: dict[str, Any] = {"layer_bytes": layer_bytes, "copy_rate_Bps": rate,
+                           "bound_us_per_layer": round(layer_bytes / rate * 1e6, 2), "rows": {}}
+    default_config = kernels._config
+
+    def single_accumulator(n: int, k: int, gated: bool, *rest: Any) -> tuple[int, ...]:
+        return (*default_config(n, k, gated, *rest)[:4], 1)
+
+    variants = {"single accumulator": single_accumulator, "split K (default)": default_config}
+    for m in rows:
+        hidden = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        per: dict[str, float] = {}
+        results = {}
+        for name, config in variants.items():
+            kernels._config = config
+            start = hidden.clone()
+            us = _time_chain(lambda s=start: _chain(kernels, layers, s))
+            per[name] = round(us / LAYERS, 2)
+            work = hidden.clone()
+            _chain(kernels, layers, work)  # one eager pass from the same input: same result?
+            results[name] = work
+        kernels._config = default_config
+        a, b = results.values()
+        per["max_abs_diff"] = float((a.float() - b.float()).abs().max())
+        out["rows"][str(m)] = per
+        print(f"chain m={m}: us/layer {per} (bound {out['bound_us_per_layer']})", flush=True)
+    return out
 
 
 def main() -> None:
@@ -33,26 +120,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--skip-tiles", action="store_true", help="only the 16-layer chain")
     args = ap.parse_args()
-    hidden = 2048
-    shapes = {"qkv": (3072, False), "gate_up": (2 * 8192, True)}
+    # name: (rows of the weight, K, gated, variants); o and down carry the residual add.
+    shapes = {"qkv": (QKV, HIDDEN, False, ("plain", "norm")),
+              "gate_up": (2 * FFN, HIDDEN, True, ("plain", "norm")),
+              "o": (HIDDEN, HIDDEN, False, ("res",)), "down": (HIDDEN, FFN, False, ("res",))}
     default_config = kernels._config
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": {}}
-    for m in args.rows:
-        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn_like(x)
-        nw = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
-        for name, (n, gated) in shapes.items():
-            w = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-            row: dict[str, Any] = {"cublas_us": round(time_graph(lambda x=x, w=w: F.linear(x, w)), 2)}
-            variants = {"plain": (None, None), "norm": (None, nw), "norm+res": (res, nw)}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": {},
+                              "chain": chain(kernels, args.rows)}
+    for m in [] if args.skip_tiles else args.rows:
+        res = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        for name, (n, k, gated, vnames) in shapes.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+            # Copies enough to overflow L2: no call finds its weights left there by the last.
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                  for _ in range(max(2, (128 << 20) // (n * k * 2)))]
+            turn = itertools.cycle(ws)
+            row: dict[str, Any] = {"cublas_us": round(time_graph(
+                lambda x=x, t=turn: F.linear(x, next(t))), 2)}
+            variants = {"plain": (None, None), "norm": (None, nw), "res": (res, None)}
             for cfg in CONFIGS[name]:
                 kernels._config = lambda *a, c=cfg: c  # noqa: E731 - the tile under test
-                for vname, (r, norm_w) in variants.items():
+                for vname in vnames:
+                    r, norm_w = variants[vname]
                     try:
-                        us = time_graph(lambda x=x, r=r, norm_w=norm_w, w=w, g=gated: kernels.norm_gemv(
-                            x, r, norm_w, 1e-5, w, None, g))
-                    except Exception as exc:  # noqa: BLE001 - too big for the SM: skip
+                        us = time_graph(lambda x=x, r=r, norm_w=norm_w, t=turn, g=gated:
+                                        kernels.gemv(x, next(t), None, norm_weight=norm_w,
+                                                     eps=1e-5, gated=g, residual=r))
+                    except OutOfResources as exc:  # a tile too big for the SM: skip it
                         us = None
                         print(f"  {name} m={m} {cfg} {vname}: {type(exc).__name__}")
                     row[f"{vname} {cfg}"] = round(us, 2) if us else None

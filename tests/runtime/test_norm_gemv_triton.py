@@ -77,18 +77,19 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
         ints_after = {p: "i32" for p in ("stride_x", "stride_w", "stride_r", "stride_y",
                                          "up_offset")}
         flags = ("HAS_NORM", "GATED", "HAS_BIAS", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                 "PRECISION")
+                 "SPLIT", "PRECISION")
+        elem = 4 if dt == "fp32" else 2
         sig = {**ptrs, **ints, "eps": "fp32", **ints_after, **{f: "constexpr" for f in flags}}
-        # (n, norm, gated, bias, residual, BLOCK_M): the model's four projections, and more.
-        for n, norm, gated, bias, res, block_m in [
-                (3072, True, False, False, False, 16), (3072, True, False, True, False, 16),
-                (2048, False, False, False, True, 16), (8192, True, True, False, False, 16),
-                (8192, True, True, True, False, 16), (2048, False, False, True, True, 16)]:
-            block_n, block_k, _, stages = kernels._config(n, gated, block_m,
-                                                          4 if dt == "fp32" else 2)
+        # (n, k, norm, gated, bias, residual): the model's four projections, and more;
+        # both the split-K and the single-accumulator forms.
+        for n, k, norm, gated, bias, res in [
+                (3072, 2048, True, False, False, False), (3072, 2048, True, False, True, False),
+                (2048, 2048, False, False, False, True), (8192, 2048, True, True, False, False),
+                (8192, 2048, True, True, True, False), (2048, 8192, False, False, True, True)]:
+            block_n, block_k, _, stages, split = kernels._config(n, k, gated, 16, elem)
             compile_for_hopper(kernels._norm_gemv_kernel, sig, {
                 "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
-                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
                 "PRECISION": "ieee" if dt == "fp32" else "tf32"}, stages, ("N", "K", "up_offset"))
         compile_for_hopper(kernels._rmsnorm_kernel,
               {"x_ptr": f"*{dt}", "nw_ptr": f"*{dt}", "y_ptr": f"*{dt}", "K": "i32",

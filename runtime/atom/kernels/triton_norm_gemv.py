@@ -29,18 +29,18 @@ MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
-                      M, N, K, eps, stride_x, stride_w, stride_r, stride_y, up_offset,
-                      HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+def _diagonal(gram, BLOCK_M: tl.constexpr):
+    offs = tl.arange(0, BLOCK_M)
+    return tl.sum(tl.where(offs[:, None] == offs[None, :], gram, 0.0), axis=1)
+
+
+@triton.jit
+def _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x, stride_w,
+                  up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares)."""
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows_m = offs_m.to(tl.int64)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -58,14 +58,76 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
             a = (x.to(tl.float32) * nw[None, :]).to(x.dtype)
         else:
             a = x
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
         acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
         if GATED:
-            wu = tl.load(w_rows + up_offset * stride_w + kk[None, :],
-                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            wu = tl.load(w_rows + up_offset * stride_w + kk[None, :], mask=w_mask, other=0.0)
             acc_up += tl.dot(a, tl.trans(wu), input_precision=PRECISION)
+    return acc, acc_up, _diagonal(gram, BLOCK_M)
+
+
+@triton.jit
+def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x,
+                     stride_w, up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """_strip_dot_2d with each K step cut into SPLIT slices accumulated separately."""
+    SUB: tl.constexpr = BLOCK_K // SPLIT
+    # [SPLIT, SUB]: slice s of a K step covers SUB consecutive elements.
+    offs_k = tl.arange(0, SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x_rows = x_ptr + rows_m[None, :, None] * stride_x  # [1, M, 1]
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_w  # [1, N, 1]
+    acc = tl.zeros([SPLIT, BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([SPLIT, BLOCK_M, BLOCK_N], tl.float32)
+    gram = tl.zeros([SPLIT, BLOCK_M, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_rows + kk[:, None, :], mask=m_mask[None, :, None] & k_mask[:, None, :],
+                    other=0.0)
+        if HAS_NORM:
+            gram += tl.dot(x, tl.permute(x, (0, 2, 1)), input_precision=PRECISION)
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            a = (x.to(tl.float32) * nw[:, None, :]).to(x.dtype)
+        else:
+            a = x
+        w_mask = n_mask[None, :, None] & k_mask[:, None, :]
+        w = tl.load(w_rows + kk[:, None, :], mask=w_mask, other=0.0)
+        acc += tl.dot(a, tl.permute(w, (0, 2, 1)), input_precision=PRECISION)
+        if GATED:
+            wu = tl.load(w_rows + up_offset * stride_w + kk[:, None, :], mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, tl.permute(wu, (0, 2, 1)), input_precision=PRECISION)
+    return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), _diagonal(tl.sum(gram, axis=0), BLOCK_M)
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
+                      M, N, K, eps, stride_x, stride_w, stride_r, stride_y, up_offset,
+                      HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """SPLIT > 1: each K step is SPLIT slices of BLOCK_K // SPLIT, the batches of a 3-D dot,
+    one warp each, accumulated separately and summed after the loop. With one accumulator
+    every tensor-core op over the strip's K (K / 16 of them) waits for the one before, and at
+    long K that chain, not the weight stream, sets the time (bench/norm_gemv_sweep.py:
+    down_proj 15.1 -> 10.9 us). The gated MLP input keeps the 2-D form (SPLIT 1), which
+    measured faster there."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_m = offs_m.to(tl.int64)
+    if SPLIT == 1:
+        acc, acc_up, sq = _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
+                                        K, stride_x, stride_w, up_offset, HAS_NORM, GATED,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        acc, acc_up, sq = _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask,
+                                           n_mask, K, stride_x, stride_w, up_offset, HAS_NORM,
+                                           GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PRECISION)
     if HAS_NORM:
-        sq = tl.sum(tl.where(offs_m[:, None] == offs_m[None, :], gram, 0.0), axis=1)
         rstd = tl.rsqrt(sq / K + eps)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
@@ -116,18 +178,22 @@ def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr)
 SMEM_BUDGET = 200 * 1024  # of an H100/H200 SM's 227 KiB: the pipelined tiles, with room
 
 
-def _config(n: int, gated: bool, block_m: int, elem: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), from bench/norm_gemv_sweep.py and gemv_sweep.py on an
-    H200: strips of 16-32 weight rows (twice that when gated) keep every SM streaming on the
-    Llama-3.2-1B shapes; the pipeline depth is what fits the shared-memory budget."""
+def _config(n: int, k: int, gated: bool, block_m: int,
+            elem: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, SPLIT), from bench/norm_gemv_sweep.py on an H200:
+    strips of 16-32 weight rows (twice that when gated) keep every SM streaming on the
+    Llama-3.2-1B shapes; one K slice per warp except for the gated input; the pipeline depth
+    is what fits the shared-memory budget."""
     if gated:
-        block_n, block_k, stages = 32, 64, 6
+        block_n, block_k, stages, split = 32, 64, 6, 1
+    elif n <= 2048 and k >= 4096:  # down_proj: long K, 1 KB of each row per step
+        block_n, block_k, stages, split = 16, 1024, 3, 4
     elif n <= 2048:
-        block_n, block_k, stages = 16, 512, 3
+        block_n, block_k, stages, split = 16, 256, 6, 4
     else:
-        block_n, block_k, stages = 32, 512, 3
+        block_n, block_k, stages, split = 32, 256, 4, 4
     stage_bytes = (block_m + block_n * (2 if gated else 1)) * block_k * elem
-    return block_n, block_k, 4, max(1, min(stages, SMEM_BUDGET // stage_bytes))
+    return block_n, block_k, 4, max(1, min(stages, SMEM_BUDGET // stage_bytes)), split
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -142,7 +208,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert residual is None or residual.stride(-1) == 1
     block_m = max(16, triton.next_power_of_2(m))
-    block_n, block_k, warps, stages = _config(n, gated, block_m, x.element_size())
+    block_n, block_k, warps, stages, split = _config(n, k, gated, block_m, x.element_size())
     res = residual if residual is not None else y
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight,
@@ -150,7 +216,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         m, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), y.stride(0), n,
         HAS_NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages)
     return y
 
