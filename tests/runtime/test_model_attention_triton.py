@@ -112,7 +112,7 @@ def _aot_cases():
                           {"q_ptr": f"*{dt}", **cache, "out_ptr": f"*{dt}", "ctx_ptr": "*i32",
                            "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
                            "scale": "fp32", "stride_q": "i32", "stride_o": "i32", "stride_bt": "i32",
-                           "tiles_per_split": "i32", "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr",
+                           "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr",
                            "BLOCK_H": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
                            "BLOCK_SIZE": "constexpr", "TILE_N": "constexpr", "Q_LEN": "constexpr",
                            "NUM_SPLITS": "constexpr", "PRECISION": "constexpr"},

@@ -97,7 +97,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
                    part_o_ptr, part_ml_ptr,
-                   scale, stride_q, stride_o, stride_bt, tiles_per_split,
+                   scale, stride_q, stride_o, stride_bt,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE_N: tl.constexpr, Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -131,6 +131,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     kv_row = NUM_KV_HEADS * HEAD_DIM
+    # The row's own key tiles, dealt evenly to the splits: a short context keeps every split
+    # busy however wide the block table (the launch is sized from the table, not the row).
+    tiles_per_split = tl.cdiv(tl.maximum(tl.cdiv(kv_len, TILE_N), 0), NUM_SPLITS)
     t_start = split * tiles_per_split * TILE_N
     t_end = tl.minimum(t_start + tiles_per_split * TILE_N, kv_len)
     for t in range(t_start, t_end, TILE_N):
@@ -189,10 +192,11 @@ def _decode_reduce_kernel(out_ptr, part_o_ptr, part_ml_ptr, stride_o,
 
 # Enough programs to fill a large GPU; below that, a row's key tiles are split across programs.
 # The split count may not depend on the step's context lengths (graph capture), so it is sized
-# for the block-table width: splits past a sequence's last tile exit at once, and small
-# splits keep the sequential loop of each program short (batch 1 on a 1B model: 8 kv heads
-# would otherwise leave 8 programs walking the whole context).
-_TARGET_PROGRAMS = 4096
+# from the block-table width; the kernel deals each row's own tiles evenly to the splits, so
+# a short context in a wide table still uses them all, and the sequential loop of each program
+# stays short (batch 1 on a 1B model: 8 kv heads would otherwise leave 8 programs walking the
+# whole context).
+_TARGET_PROGRAMS = 512  # bench/decode_attention_sweep.py: more splits cost more than they hide
 _MAX_SPLITS = 128
 _DECODE_TILE_N = 64  # keys per loop step: 4 cache blocks of 16
 
@@ -251,7 +255,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_ml = out  # unused
     _decode_kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, out, context_lens, block_tables, part_o, part_ml,
-        scale, q.stride(0), out.stride(0), block_tables.stride(0), triton.cdiv(tiles, splits),
+        scale, q.stride(0), out.stride(0), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
         Q_LEN=q_len, NUM_SPLITS=splits, PRECISION=_precision(q.dtype),

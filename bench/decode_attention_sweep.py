@@ -1,0 +1,69 @@
+"""Paged decode attention (atom.kernels.triton_attention) by split count, on the
+Llama-3.2-1B attention shape (32 query heads, 8 kv heads, head_dim 64), issue 5.
+
+For each batch and context, in a block table sized for a max_model_len, times one decode
+attention call (the split kernel and, above one split, its reduce) as 20 back-to-back calls
+in one CUDA graph (bench/gemv_sweep.py's method), for each split count and the launcher's
+own choice; beside the KV bytes over the measured copy rate.
+
+    python bench/decode_attention_sweep.py --out attn.json [--batches 1 8 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_bench import copy_rate_bytes_per_s  # noqa: E402
+from gemv_sweep import time_graph  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
+
+
+def main() -> None:
+    import atom.kernels.triton_attention as tk
+    from atom.kernels.testing import random_paged_batch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--max-model-lens", type=int, nargs="+", default=[1536, 32768])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    args = ap.parse_args()
+    rate = copy_rate_bytes_per_s()
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_rate_Bps": rate,
+                              "cases": []}
+    for max_len in args.max_model_lens:
+        width = max_len // BLOCK
+        tiles = width * BLOCK // 64
+        for ctx in [c for c in args.contexts if c < max_len]:
+            for b in args.batches:
+                batch = random_paged_batch([1] * b, [ctx] * b, HEADS, KV_HEADS, HEAD_DIM,
+                                           num_blocks=b * (ctx // BLOCK + 1) + 1,
+                                           max_blocks=width, dtype=torch.bfloat16,
+                                           device="cuda")
+                out = torch.empty_like(batch.q)
+                kv_bytes = 2 * b * ctx * KV_HEADS * HEAD_DIM * 2
+                row: dict[str, Any] = {"max_model_len": max_len, "context": ctx, "batch": b,
+                                       "bound_us": round(kv_bytes / rate * 1e6, 2),
+                                       "auto_splits": tk.decode_num_splits(b, KV_HEADS, tiles)}
+                for splits in [None, *args.splits]:
+                    us = time_graph(lambda s=splits, bt=batch, o=out: tk.decode_attention_triton(
+                        bt.q, bt.k_cache, bt.v_cache, o, bt.context_lens, bt.block_tables,
+                        HEAD_DIM ** -0.5, HEADS, num_splits=s))
+                    row["auto" if splits is None else str(splits)] = round(us, 2)
+                result["cases"].append(row)
+                print(row, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
