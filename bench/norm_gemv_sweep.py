@@ -104,7 +104,7 @@ def chain(kernels: Any, rows: list[int]) -> dict[str, Any]:
             us = _time_chain(lambda s=start: _chain(kernels, layers, s))
             per[name] = round(us / LAYERS, 2)
             work = hidden.clone()
-            _chain(kernels, layers, work)  # one eager pass from the same input: same result?
+            _chain(kernels, layers, work)  # an eager pass from the same input, to compare
             results[name] = work
         kernels._config = default_config
         a, b = results.values()

@@ -54,9 +54,11 @@ def _run_case(name: str) -> None:
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=3, pad_seqs=1, seed=heads)
     else:
         # Padded decode: 2 extra sequences of context 0 must come out as zeros.
-        b = random_paged_batch(q_lens=[1, 1, 1, 1], ctx_lens=[1, 16, 45, 120], num_heads=heads,
+        # A table of 4 key tiles of 64; rows of 1 to 4 tiles, dealt to the splits (3 splits:
+        # the 4-tile row gives two to each of the first two).
+        b = random_paged_batch(q_lens=[1, 1, 1, 1], ctx_lens=[1, 16, 130, 250], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=2, pad_seqs=2,
-                               max_blocks=16, seed=dim)  # 4 key tiles of 64: room for 4 splits
+                               max_blocks=16, seed=dim)
     kc_ref, vc_ref = b.k_cache.clone(), b.v_cache.clone()
     write_kv_torch(b.k, b.v, kc_ref, vc_ref, b.slot_mapping)
     ref = torch.full_like(b.q, float("nan"))
