@@ -14,67 +14,38 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.layers.rotary import Rope
-
 
 @triton.jit
-def _rope(x, partner, pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
-    """x (element d of a head) rotated to pos, rotate-half layout: partner is element d + HALF
-    (first half) or d - HALF (second half). In fp32, rounded once to x's dtype, as
-    atom.layers.rotary.apply_rotary does."""
-    j = d % HALF
-    c = tl.load(cos_ptr + pos * HALF + j, mask=mask, other=0.0)
-    s = tl.load(sin_ptr + pos * HALF + j, mask=mask, other=0.0)
-    xf, pf = x.to(tl.float32), partner.to(tl.float32)
-    return tl.where(d < HALF, xf * c - pf * s, xf * c + pf * s).to(x.dtype)
-
-
-def _rope_args(rope: Rope | None, fallback: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels' (pos_ptr, cos_ptr, sin_ptr): unused pointers without rotation."""
-    return (rope.positions, rope.cos, rope.sin) if rope is not None else (fallback,) * 3
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr,
-                     stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row).to(tl.int64)
-    if ROPE:
-        pos = tl.load(pos_ptr + row).to(tl.int64)  # beside the slot: neither waits for the other
     if slot >= 0:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
         k = tl.load(k_ptr + row * stride_k + offs, mask=mask)
-        if ROPE:  # the cache holds rotated keys
-            d = offs % HEAD_DIM
-            partner = tl.load(k_ptr + row * stride_k + offs - d + (d + HEAD_DIM // 2) % HEAD_DIM,
-                              mask=mask)
-            k = _rope(k, partner, pos, d, cos_ptr, sin_ptr, mask, HEAD_DIM // 2)
         v = tl.load(v_ptr + row * stride_v + offs, mask=mask)
         tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, rope: Rope | None = None) -> None:
-    """Write this step's keys (rotated first when rope is given) and values into the cache."""
+                    slot_mapping: torch.Tensor) -> None:
     rows = slot_mapping.shape[0]
     if rows == 0:
         return
     row = k_cache.shape[2] * k_cache.shape[3]
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous()
-    _store_kv_kernel[(rows,)](k, v, k_cache, v_cache, slot_mapping, *_rope_args(rope, k),
-                              k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
-                              HEAD_DIM=k_cache.shape[3], ROPE=rope is not None)
+    _store_kv_kernel[(rows,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                              ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
-                    pos_ptr, cos_ptr, sin_ptr, scale, stride_q, stride_o, stride_bt,
+                    scale, stride_q, stride_o, stride_bt,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    PRECISION: tl.constexpr, ROPE: tl.constexpr):
+                    PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -89,15 +60,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q_mask = m_mask[:, None] & d_mask[None, :]
-        q_row = q_ptr + rows[:, None] * stride_q + head * HEAD_DIM
-        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
-        if ROPE:
-            partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask,
-                              other=0.0)
-            pos = tl.load(pos_ptr + rows, mask=m_mask, other=0).to(tl.int64)
-            q = _rope(q, partner, pos[:, None], offs_d[None, :], cos_ptr, sin_ptr, q_mask,
-                      HEAD_DIM // 2)
+        q = tl.load(q_ptr + rows[:, None] * stride_q + head * HEAD_DIM + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         q_pos = ctx - q_len + offs_m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,12 +96,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
-                   part_o_ptr, part_ml_ptr, pos_ptr, cos_ptr, sin_ptr,
+                   part_o_ptr, part_ml_ptr,
                    scale, stride_q, stride_o, stride_bt,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE_N: tl.constexpr, Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, ROPE: tl.constexpr):
+                   PRECISION: tl.constexpr):
     """One program per (row, kv head, split): the split's tiles of TILE_N keys of the row.
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
@@ -151,8 +115,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
     split = tl.program_id(2)
     seq = row // Q_LEN
     ctx = tl.load(ctx_ptr + seq)
-    if ROPE:
-        pos = tl.load(pos_ptr + row.to(tl.int64)).to(tl.int64)
     # Row j of a sequence's Q_LEN rows sits at position ctx - Q_LEN + j; ctx 0 (padding) gives
     # kv_len <= 0, hence no tiles and a zero output.
     kv_len = ctx - Q_LEN + (row % Q_LEN) + 1
@@ -163,14 +125,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
     row64 = row.to(tl.int64)
-    q_mask = h_mask[:, None] & d_mask[None, :]
-    q_row = q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM
-    q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
-    if ROPE:  # padding rows (no keys) skip the table: their output is zero anyway
-        partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask,
-                          other=0.0)
-        q = _rope(q, partner, pos, offs_d[None, :], cos_ptr, sin_ptr, q_mask & (kv_len > 0),
-                  HEAD_DIM // 2)
+    q = tl.load(q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -253,8 +209,7 @@ def _precision(dtype: torch.dtype) -> str | None:
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              out: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                              block_tables: torch.Tensor, scale: float, num_heads: int,
-                             num_seqs: int, max_seqlen_q: int, block_m: int = 64,
-                             rope: Rope | None = None) -> None:
+                             num_seqs: int, max_seqlen_q: int, block_m: int = 64) -> None:
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_seqs == 0 or max_seqlen_q == 0:
         return
@@ -262,11 +217,11 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_m = max(16, min(block_m, triton.next_power_of_2(max_seqlen_q)))
     grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, *_rope_args(rope, q),
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
         scale, q.stride(0), out.stride(0), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        PRECISION=_precision(q.dtype), ROPE=rope is not None,
+        PRECISION=_precision(q.dtype),
     )
 
 
@@ -281,7 +236,7 @@ def decode_num_splits(rows: int, num_kv_heads: int, table_tiles: int) -> int:
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, num_heads: int, q_len: int = 1,
-                            num_splits: int | None = None, rope: Rope | None = None) -> None:
+                            num_splits: int | None = None) -> None:
     """Programs per (query row, kv head[, split]); rows are q_len per sequence, padded rows
     included. The launch depends only on static shapes, so it can be graph-recorded."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -300,10 +255,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_o = part_ml = out  # unused
     _decode_kernel[(rows, num_kv_heads, splits)](
         q, k_cache, v_cache, out, context_lens, block_tables, part_o, part_ml,
-        *_rope_args(rope, q), scale, q.stride(0), out.stride(0), block_tables.stride(0),
+        scale, q.stride(0), out.stride(0), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
-        Q_LEN=q_len, NUM_SPLITS=splits, PRECISION=_precision(q.dtype), ROPE=rope is not None,
+        Q_LEN=q_len, NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
     )
     if splits > 1:
         _decode_reduce_kernel[(rows, num_heads)](

@@ -1,10 +1,9 @@
 """Paged attention: the `Attention` module and the registered split op.
 
-The model calls `torch.ops.aiter.unified_attention_with_output(q, k, v, output, layer_id,
-positions, cos_cache, sin_cache)` with unrotated q and k (the last three may be left out for
-q and k rotated already). Dynamo sees one opaque node (the split point of piecewise
-compilation); the impl runs eagerly, finds its layer (KV cache, heads, scale) in the forward
-context, rotates q and k, writes this step's keys and values into the cache and attends.
+The model calls `torch.ops.aiter.unified_attention_with_output(q, k, v, output, layer_id)`.
+Dynamo sees one opaque node (the split point of piecewise compilation); the impl runs
+eagerly, finds its layer (KV cache, heads, scale) in the forward context, writes this step's
+keys and values into the cache and attends over it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import torch
 from torch import nn
 
 from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
-from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from atom.utils.custom_register import direct_register_custom_op
 from atom.utils.forward_context import AttentionMetaData, get_forward_context
 from atom.utils.region_graph import eager_region
@@ -36,38 +34,28 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         get_forward_context().no_compile_layers[layer_id] = self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor | None = None,
-                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
-        """Attention over q, k, v ([T, heads * head_dim], strided views allowed). With
-        positions and rotary, q and k are unrotated: the op rotates them (on CUDA inside the
-        KV-store and attention kernels, so rotary costs no launch of its own)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         output = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
-        cos, sin = (rotary.cos_cache, rotary.sin_cache) if rotary is not None else (None, None)
-        torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id, positions,
-                                                      cos, sin)
+        torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id)
         return output
 
 
 def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            output: torch.Tensor, meta: AttentionMetaData, rope: Rope | None) -> None:
+            output: torch.Tensor, meta: AttentionMetaData) -> None:
     if q.is_cuda:
         from atom.kernels import triton_attention as tk
 
-        tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
+        tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         if meta.max_seqlen_q == 1 and meta.extra.get("decode", True):
             tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
-                                       meta.block_tables, layer.scale, layer.num_heads, rope=rope)
+                                       meta.block_tables, layer.scale, layer.num_heads)
             return
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
         tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                                     meta.context_lens, meta.block_tables, layer.scale,
-                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q, rope=rope)
+                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q)
         return
-    if rope is not None:
-        q = apply_rotary(q, rope.positions, rope.cos, rope.sin, layer.head_dim)
-        k = apply_rotary(k, rope.positions, rope.cos, rope.sin, layer.head_dim)
     write_kv_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     paged_attention_torch(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                           meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
@@ -93,12 +81,7 @@ def _launch_fixed_by_bucket() -> bool:
 
 @eager_region(inline_when=_launch_fixed_by_bucket)
 def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  output: torch.Tensor, layer_id: int,
-                                  positions: torch.Tensor | None = None,
-                                  cos_cache: torch.Tensor | None = None,
-                                  sin_cache: torch.Tensor | None = None) -> None:
-    """Store k, v in the layer's cache and attend; given positions and the cos/sin tables,
-    q and k are rotated to their positions first."""
+                                  output: torch.Tensor, layer_id: int) -> None:
     ctx = get_forward_context()
     layer = ctx.no_compile_layers[layer_id]
     meta = ctx.attn_metadata
@@ -108,20 +91,11 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         # No cache yet (shape tracing, or a forward outside the engine): nothing to attend to.
         output.zero_()
         return
-    rope = None
-    if positions is not None:
-        if cos_cache is None or sin_cache is None:
-            raise ValueError("unified_attention_with_output: positions given without the "
-                             "rotary cos_cache and sin_cache")
-        rope = Rope(positions, cos_cache, sin_cache)
-    _attend(layer, q, k, v, output, meta, rope)
+    _attend(layer, q, k, v, output, meta)
 
 
 def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                       output: torch.Tensor, layer_id: int,
-                                       positions: torch.Tensor | None = None,
-                                       cos_cache: torch.Tensor | None = None,
-                                       sin_cache: torch.Tensor | None = None) -> None:
+                                       output: torch.Tensor, layer_id: int) -> None:
     return None
 
 
