@@ -20,10 +20,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from atom.models.registry import load_model_config  # noqa: E402
 from decode_bench import copy_rate_bytes_per_s  # noqa: E402
 from gemv_sweep import time_graph  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
+# The Llama-3.2-1B attention shape, from the model registry; the engine's block size.
+_SHAPE = load_model_config("llama-3.2-1b")
+HEADS, KV_HEADS, HEAD_DIM = (_SHAPE.num_attention_heads, _SHAPE.num_key_value_heads,
+                             _SHAPE.head_dim)
+BLOCK = 16
 
 
 def main() -> None:
@@ -42,7 +47,7 @@ def main() -> None:
                               "cases": []}
     for max_len in args.max_model_lens:
         width = max_len // BLOCK
-        tiles = width * BLOCK // 64
+        tiles = width * BLOCK // tk._DECODE_TILE_N
         for ctx in [c for c in args.contexts if c < max_len]:
             for b in args.batches:
                 batch = random_paged_batch([1] * b, [ctx] * b, HEADS, KV_HEADS, HEAD_DIM,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from atom.models.registry import load_model_config  # noqa: E402
 from decode_bench import copy_rate_bytes_per_s  # noqa: E402
 from gemv_sweep import record_graph, time_graph  # noqa: E402
 
@@ -43,7 +44,11 @@ CONFIGS = {
 }
 
 
-HIDDEN, QKV, FFN, LAYERS = 2048, 3072, 8192, 16
+# The Llama-3.2-1B shape, from the model registry (what decode_bench runs).
+_SHAPE = load_model_config("llama-3.2-1b")
+HIDDEN, FFN, LAYERS = _SHAPE.hidden_size, _SHAPE.intermediate_size, _SHAPE.num_hidden_layers
+Q = _SHAPE.num_attention_heads * _SHAPE.head_dim
+QKV = Q + 2 * _SHAPE.num_key_value_heads * _SHAPE.head_dim
 
 
 def _layer_weights() -> list[dict[str, torch.Tensor]]:
@@ -51,7 +56,7 @@ def _layer_weights() -> list[dict[str, torch.Tensor]]:
         return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
 
     ones = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    return [{"qkv": w(QKV, HIDDEN), "o": w(HIDDEN, HIDDEN), "gate_up": w(2 * FFN, HIDDEN),
+    return [{"qkv": w(QKV, HIDDEN), "o": w(HIDDEN, Q), "gate_up": w(2 * FFN, HIDDEN),
              "down": w(HIDDEN, FFN), "norm": ones} for _ in range(LAYERS)]
 
 
@@ -61,7 +66,7 @@ def _chain(kernels: Any, layers: list[dict[str, torch.Tensor]], hidden: torch.Te
     h = hidden
     for lw in layers:
         qkv = kernels.gemv(h, lw["qkv"], None, norm_weight=lw["norm"], eps=1e-5)
-        h = kernels.gemv(qkv[:, :HIDDEN], lw["o"], None, residual=h)
+        h = kernels.gemv(qkv[:, :Q], lw["o"], None, residual=h)
         act = kernels.gemv(h, lw["gate_up"], None, norm_weight=lw["norm"], eps=1e-5, gated=True)
         h = kernels.gemv(act, lw["down"], None, residual=h)
     hidden.copy_(h)
@@ -125,7 +130,7 @@ def main() -> None:
     # name: (rows of the weight, K, gated, variants); o and down carry the residual add.
     shapes = {"qkv": (QKV, HIDDEN, False, ("plain", "norm")),
               "gate_up": (2 * FFN, HIDDEN, True, ("plain", "norm")),
-              "o": (HIDDEN, HIDDEN, False, ("res",)), "down": (HIDDEN, FFN, False, ("res",))}
+              "o": (HIDDEN, Q, False, ("res",)), "down": (HIDDEN, FFN, False, ("res",))}
     default_config = kernels._config
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": {},
                               "chain": chain(kernels, args.rows)}
