@@ -335,7 +335,7 @@ class ModelRunner:
         self.compile_prefetch.wait()
         prefill_rows = min(self.max_num_rows, self.block_size * min(2, self.max_num_seqs))
         self.dummy_run(max(2, prefill_rows), is_prefill=True)
-        self.dummy_run(max(min(2, self.max_num_seqs), min(self.max_num_seqs, 8)), is_prefill=False)
+        self.dummy_run(min(self.max_num_seqs, 8), is_prefill=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
