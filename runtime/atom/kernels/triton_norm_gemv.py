@@ -111,7 +111,7 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     one warp each, accumulated separately and summed after the loop. With one accumulator
     every tensor-core op over the strip's K (K / 16 of them) waits for the one before, and at
     long K that chain, not the weight stream, sets the time (bench/norm_gemv_sweep.py:
-    down_proj 15.1 -> 10.9 us). The gated MLP input keeps the 2-D form (SPLIT 1), which
+    down_proj 13.98 -> 11.59 us). The gated MLP input keeps the 2-D form (SPLIT 1), which
     measured faster there."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
