@@ -52,14 +52,21 @@ def copy_rate_bytes_per_s(nbytes: int = 2 << 30, iters: int = 10) -> float:
     return rate
 
 
+def projection_shapes(c: Any) -> dict[str, tuple[int, int]]:
+    """A decoder layer's projection weights from a model config: name -> (rows, K)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size)}
+
+
 def shape_bytes(context: int) -> tuple[int, int]:
     """(weight bytes, KV bytes per token) of the bf16 model shape, counted from its config."""
     from atom.models.registry import load_model_config
 
     c = load_model_config(MODEL)
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
-        + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    kv = c.num_key_value_heads * c.head_dim
+    per_layer = sum(n * k for n, k in projection_shapes(c).values()) + 2 * c.hidden_size
     params = c.num_hidden_layers * per_layer + c.hidden_size \
         + c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return 2 * params, 2 * c.num_hidden_layers * kv * 2

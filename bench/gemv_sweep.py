@@ -104,11 +104,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     args = ap.parse_args()
-    c = load_model_config("llama-3.2-1b")
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
-              "gate_up": (2 * c.intermediate_size, c.hidden_size),
-              "down": (c.hidden_size, c.intermediate_size)}
+    from decode_bench import MODEL, projection_shapes
+
+    shapes = projection_shapes(load_model_config(MODEL))
     configs = list(itertools.product([16, 32, 64], [128, 256, 512], [4, 8], [2, 3, 4, 5]))
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
     for name, (n, k) in shapes.items():

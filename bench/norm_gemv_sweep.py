@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from atom.models.registry import load_model_config  # noqa: E402
-from decode_bench import copy_rate_bytes_per_s  # noqa: E402
+from decode_bench import MODEL, copy_rate_bytes_per_s, projection_shapes  # noqa: E402
 from gemv_sweep import record_graph, time_graph  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, warps, stages, SPLIT): SPLIT 1 is one accumulator chain per strip.
@@ -44,20 +44,17 @@ CONFIGS = {
 }
 
 
-# The Llama-3.2-1B shape, from the model registry (what decode_bench runs).
-_SHAPE = load_model_config("llama-3.2-1b")
-HIDDEN, FFN, LAYERS = _SHAPE.hidden_size, _SHAPE.intermediate_size, _SHAPE.num_hidden_layers
-Q = _SHAPE.num_attention_heads * _SHAPE.head_dim
-QKV = Q + 2 * _SHAPE.num_key_value_heads * _SHAPE.head_dim
+# The shape decode_bench runs (Llama-3.2-1B), from the model registry.
+_CONFIG = load_model_config(MODEL)
+SHAPES = projection_shapes(_CONFIG)  # name -> (weight rows, K)
+HIDDEN, LAYERS = _CONFIG.hidden_size, _CONFIG.num_hidden_layers
+Q = SHAPES["o"][1]  # o_proj reads the query heads
 
 
 def _layer_weights() -> list[dict[str, torch.Tensor]]:
-    def w(n: int, k: int) -> torch.Tensor:
-        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-
     ones = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    return [{"qkv": w(QKV, HIDDEN), "o": w(HIDDEN, Q), "gate_up": w(2 * FFN, HIDDEN),
-             "down": w(HIDDEN, FFN), "norm": ones} for _ in range(LAYERS)]
+    return [{**{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                for name, (n, k) in SHAPES.items()}, "norm": ones} for _ in range(LAYERS)]
 
 
 def _chain(kernels: Any, layers: list[dict[str, torch.Tensor]], hidden: torch.Tensor) -> None:
@@ -127,16 +124,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--skip-tiles", action="store_true", help="only the 16-layer chain")
     args = ap.parse_args()
-    # name: (rows of the weight, K, gated, variants); o and down carry the residual add.
-    shapes = {"qkv": (QKV, HIDDEN, False, ("plain", "norm")),
-              "gate_up": (2 * FFN, HIDDEN, True, ("plain", "norm")),
-              "o": (HIDDEN, Q, False, ("res",)), "down": (HIDDEN, FFN, False, ("res",))}
+    # name: variants; o and down carry the residual add.
+    variant_names = {"qkv": ("plain", "norm"), "gate_up": ("plain", "norm"), "o": ("res",),
+                     "down": ("res",)}
     default_config = kernels._config
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": {},
                               "chain": chain(kernels, args.rows)}
     for m in [] if args.skip_tiles else args.rows:
         res = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        for name, (n, k, gated, vnames) in shapes.items():
+        for name, (n, k) in SHAPES.items():
+            gated, vnames = name == "gate_up", variant_names[name]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
             # Copies enough to overflow L2: no call finds its weights left there by the last.
