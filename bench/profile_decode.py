@@ -65,7 +65,11 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--store-first", action="store_true",
+                    help="also record each mode with the KV-store kernel before decode attention "
+                         "(instead of the decode kernel storing this step's keys itself)")
     args = ap.parse_args()
+    import atom.layers.attention as attention
     from atom.config import CUDAGraphMode
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -73,12 +77,21 @@ def main() -> None:
     max_bs = max(args.batches)
     blocks = max_bs * ((args.context + 1024) // 16 + 2) + 64
     engine, _, _ = db.build_engine(args.level, max_bs, args.context, blocks)
-    runners = {m: db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
-               if m != "NONE" else None for m in args.modes}
+    # name -> (mode, fused store): a graph keeps the attention path it was recorded with.
+    variants = {m: (m, True) for m in args.modes}
+    if args.store_first:
+        variants.update({f"{m}-store-first": (m, False) for m in args.modes})
+    runners = {}
+    for name, (m, fused) in variants.items():
+        attention.FUSED_DECODE_STORE = fused
+        runners[name] = (db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
+                         if m != "NONE" else None)
+    attention.FUSED_DECODE_STORE = True
     for b in args.batches:
         engine.runner.graph_runner = None
         db.fill_batch(engine, b, args.context)
-        for m in args.modes:
+        for m in variants:
+            attention.FUSED_DECODE_STORE = variants[m][1]  # eager (NONE) reads it per call
             engine.runner.graph_runner = runners[m]
             t = kernel_table(engine, args.iters)
             result["profiles"][f"{m}/{b}"] = t
@@ -87,6 +100,7 @@ def main() -> None:
             for r in t["kernels"][:25]:
                 print(f"  {r['us']:8.2f} us {100 * r['share']:5.1f}%  x{r['calls']:<5} "
                       f"{r['name']}")
+        attention.FUSED_DECODE_STORE = True
         engine.runner.graph_runner = None
         db.drain(engine)
         with open(args.out, "w") as f:

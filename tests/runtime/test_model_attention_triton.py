@@ -23,6 +23,13 @@ CASES = {
     "decode-mha-d16": ("decode", 8, 8, 16),
     "decode-split3-gqa2-d16": ("decode3", 4, 2, 16),  # flash-decoding: blocks split 3 ways
     "decode-split4-gqa3-d32": ("decode4", 6, 2, 32),
+    # q and k handed over unrotated: the KV store and the attention kernels rotate them.
+    "prefill-rope-gqa2-d16": ("prefill", 4, 2, 16),
+    "decode-rope-split3-gqa2-d32": ("decode3", 4, 2, 32),
+    # The decode kernel writes this step's keys and values itself (one launch per layer).
+    "decode-store-gqa2-d16": ("decode", 4, 2, 16),
+    "decode-store-rope-split3-gqa3-d32": ("decode3", 6, 2, 32),
+    "decode-store-rope-split4-mha-d16": ("decode4", 4, 4, 16),
 }
 
 
@@ -40,12 +47,20 @@ def _numpy2_scalar_fix() -> None:
     ti._patch_lang_tensor = patched
 
 
+def _check_cache(kc, vc, kc_ref, vc_ref, rope) -> None:
+    import torch
+
+    torch.testing.assert_close(kc, kc_ref, rtol=0, atol=1e-6 if rope else 0)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+
+
 def _run_case(name: str) -> None:
     import torch
 
     import atom.kernels.triton_attention as tk
     from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
     from atom.kernels.testing import random_paged_batch
+    from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
     kind, heads, kv_heads, dim = CASES[name]
     if kind == "prefill":
@@ -59,26 +74,45 @@ def _run_case(name: str) -> None:
         b = random_paged_batch(q_lens=[1, 1, 1, 1], ctx_lens=[1, 16, 130, 250], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=2, pad_seqs=2,
                                max_blocks=16, seed=dim)
+    q_ref, k_ref, rope = b.q, b.k, None
+    if "rope" in name:
+        # Each row's position in its sequence (padding rows: 0), and the model's tables.
+        positions = torch.zeros(b.q.shape[0], dtype=torch.long)
+        cu, ctx = b.cu_seqlens_q.tolist(), b.context_lens.tolist()
+        for i in range(b.num_seqs):
+            q_len = cu[i + 1] - cu[i]
+            positions[cu[i]:cu[i + 1]] = torch.arange(ctx[i] - q_len, ctx[i])
+        table = RotaryEmbedding(dim, max_positions=256, theta=10000.0)
+        rope = Rope(positions, table.cos_cache, table.sin_cache)
+        q_ref = apply_rotary(b.q, positions, table.cos_cache, table.sin_cache, dim)
+        k_ref = apply_rotary(b.k, positions, table.cos_cache, table.sin_cache, dim)
     kc_ref, vc_ref = b.k_cache.clone(), b.v_cache.clone()
-    write_kv_torch(b.k, b.v, kc_ref, vc_ref, b.slot_mapping)
+    write_kv_torch(k_ref, b.v, kc_ref, vc_ref, b.slot_mapping)
     ref = torch.full_like(b.q, float("nan"))
-    paged_attention_torch(b.q, kc_ref, vc_ref, ref, b.cu_seqlens_q, b.context_lens, b.block_tables,
-                          0.25, heads)
+    paged_attention_torch(q_ref, kc_ref, vc_ref, ref, b.cu_seqlens_q, b.context_lens,
+                          b.block_tables, 0.25, heads)
 
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
-    tk.store_kv_triton(b.k, b.v, kc, vc, b.slot_mapping)
-    torch.testing.assert_close(kc, kc_ref, rtol=0, atol=0)
-    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    fused_store = "store" in name
+    if not fused_store:
+        tk.store_kv_triton(b.k, b.v, kc, vc, b.slot_mapping, rope)
+        _check_cache(kc, vc, kc_ref, vc_ref, rope)
     out = torch.full_like(b.q, float("nan"))
     if kind == "prefill":
         out[b.num_rows:] = 0  # the op zeroes padding rows itself before the prefill kernel
         tk.prefill_attention_triton(b.q, kc, vc, out, b.cu_seqlens_q, b.context_lens, b.block_tables,
-                                    0.25, heads, b.num_seqs + 1, b.max_seqlen_q, block_m=16)
+                                    0.25, heads, b.num_seqs + 1, b.max_seqlen_q, block_m=16,
+                                    rope=rope)
     else:
         splits = int(kind[6:] or 1)
+        new_kv = tk.StepKV(b.k, b.v, b.slot_mapping) if fused_store else None
         tk.decode_attention_triton(b.q, kc, vc, out, b.context_lens, b.block_tables, 0.25, heads,
-                                   num_splits=splits)
+                                   num_splits=splits, rope=rope, new_kv=new_kv)
         assert (out[b.num_rows:] == 0).all(), "padded decode rows must be zero"
+        if fused_store:
+            _check_cache(kc, vc, kc_ref, vc_ref, rope)
+        if splits > 1:  # every combining program re-armed its arrival counter
+            assert not any(c.any() for c in tk._COUNTERS[torch.device("cpu")])
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
@@ -93,39 +127,46 @@ def test_triton_kernel_in_interpreter(name: str) -> None:
 
 
 def _aot_cases():
-    """(kernel name, signature, constexprs) covering bf16/fp32 and split/unsplit decode."""
+    """(kernel name, signature, constexprs) covering bf16/fp32, split/unsplit decode, and the
+    decode kernel with and without its own KV store."""
     cases = []
     for dt in ("bf16", "fp32"):
         cache = {n: f"*{dt}" for n in ("k_cache_ptr", "v_cache_ptr")}
+        rope = {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+        use_rope = dt == "bf16"  # both sides of the rotary switch
         cases.append(("_store_kv_kernel",
-                      {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", **cache, "slot_ptr": "*i64",
-                       "stride_k": "i32", "stride_v": "i32", "ROW": "constexpr", "BLOCK": "constexpr"},
-                      {"ROW": 512, "BLOCK": 512}))
+                      {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", **cache, "slot_ptr": "*i64", **rope,
+                       "stride_k": "i32", "stride_v": "i32", "ROW": "constexpr", "BLOCK": "constexpr",
+                       "HEAD_DIM": "constexpr", "ROPE": "constexpr"},
+                      {"ROW": 512, "BLOCK": 512, "HEAD_DIM": 64, "ROPE": use_rope}))
         cases.append(("_prefill_kernel",
                       {"q_ptr": f"*{dt}", **cache, "out_ptr": f"*{dt}", "cu_q_ptr": "*i32",
-                       "ctx_ptr": "*i32", "bt_ptr": "*i32", "scale": "fp32", "stride_q": "i32",
-                       "stride_o": "i32", "stride_bt": "i32", "NUM_KV_HEADS": "constexpr",
-                       "GROUP": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
-                       "BLOCK_M": "constexpr", "BLOCK_SIZE": "constexpr", "PRECISION": "constexpr"},
+                       "ctx_ptr": "*i32", "bt_ptr": "*i32", **rope, "scale": "fp32",
+                       "stride_q": "i32", "stride_o": "i32", "stride_bt": "i32",
+                       "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr", "HEAD_DIM": "constexpr",
+                       "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_SIZE": "constexpr",
+                       "PRECISION": "constexpr", "ROPE": "constexpr"},
                       {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": 64,
-                       "BLOCK_SIZE": 16, "PRECISION": "ieee" if dt == "fp32" else None}))
-        for splits in (1, 8):
+                       "BLOCK_SIZE": 16, "PRECISION": "ieee" if dt == "fp32" else None,
+                       "ROPE": use_rope}))
+        for splits, store in ((1, False), (8, True), (8, False)):
             cases.append(("_decode_kernel",
-                          {"q_ptr": f"*{dt}", **cache, "out_ptr": f"*{dt}", "ctx_ptr": "*i32",
-                           "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
-                           "scale": "fp32", "stride_q": "i32", "stride_o": "i32", "stride_bt": "i32",
-                           "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr",
-                           "BLOCK_H": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
-                           "BLOCK_SIZE": "constexpr", "TILE_N": "constexpr", "Q_LEN": "constexpr",
-                           "NUM_SPLITS": "constexpr", "PRECISION": "constexpr"},
-                          {"NUM_KV_HEADS": 8, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 64, "BLOCK_D": 64,
-                           "BLOCK_SIZE": 16, "TILE_N": 64, "Q_LEN": 1, "NUM_SPLITS": splits,
-                           "PRECISION": "ieee" if dt == "fp32" else None}))
-        cases.append(("_decode_reduce_kernel",
-                      {"out_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
-                       "stride_o": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
-                       "BLOCK_D": "constexpr", "NUM_SPLITS": "constexpr", "SPLITS_P2": "constexpr"},
-                      {"NUM_HEADS": 32, "HEAD_DIM": 64, "BLOCK_D": 64, "NUM_SPLITS": 8, "SPLITS_P2": 8}))
+                          {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", **cache,
+                           "out_ptr": f"*{dt}", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+                           "slot_ptr": "*i64", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                           "count_ptr": "*i32", **rope, "scale": "fp32", "stride_q": "i32",
+                           "stride_k": "i32", "stride_v": "i32", "stride_o": "i32",
+                           "stride_bt": "i32", "NUM_KV_HEADS": "constexpr", "GROUP": "constexpr",
+                           "BLOCK_H": "constexpr", "GROUP_P2": "constexpr", "HEAD_DIM": "constexpr",
+                           "BLOCK_D": "constexpr", "BLOCK_SIZE": "constexpr", "TILE_N": "constexpr",
+                           "Q_LEN": "constexpr", "NUM_SPLITS": "constexpr",
+                           "COMBINE_CHUNK": "constexpr", "PRECISION": "constexpr",
+                           "ROPE": "constexpr", "STORE": "constexpr"},
+                          {"NUM_KV_HEADS": 8, "GROUP": 4, "BLOCK_H": 16, "GROUP_P2": 4,
+                           "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_SIZE": 16, "TILE_N": 64,
+                           "Q_LEN": 1, "NUM_SPLITS": splits, "COMBINE_CHUNK": 8,
+                           "PRECISION": "ieee" if dt == "fp32" else None, "ROPE": use_rope,
+                           "STORE": store}))
     return cases
 
 

@@ -10,42 +10,73 @@ The prefill kernel sizes its grid from max_seqlen_q (host) and is never graph-re
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from atom.layers.rotary import Rope
+
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _rope(x, partner, pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
+    """x (element d of a head) rotated to pos, rotate-half layout: partner is element d + HALF
+    (first half) or d - HALF (second half). In fp32, rounded once to x's dtype, as
+    atom.layers.rotary.apply_rotary does."""
+    j = d % HALF
+    c = tl.load(cos_ptr + pos * HALF + j, mask=mask, other=0.0)
+    s = tl.load(sin_ptr + pos * HALF + j, mask=mask, other=0.0)
+    xf, pf = x.to(tl.float32), partner.to(tl.float32)
+    return tl.where(d < HALF, xf * c - pf * s, xf * c + pf * s).to(x.dtype)
+
+
+def _rope_args(rope: Rope | None, fallback: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' (pos_ptr, cos_ptr, sin_ptr): unused pointers without rotation."""
+    return (rope.positions, rope.cos, rope.sin) if rope is not None else (fallback,) * 3
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr,
+                     stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row).to(tl.int64)
+    if ROPE:
+        pos = tl.load(pos_ptr + row).to(tl.int64)  # beside the slot: neither waits for the other
     if slot >= 0:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
         k = tl.load(k_ptr + row * stride_k + offs, mask=mask)
+        if ROPE:  # the cache holds rotated keys
+            d = offs % HEAD_DIM
+            partner = tl.load(k_ptr + row * stride_k + offs - d + (d + HEAD_DIM // 2) % HEAD_DIM,
+                              mask=mask)
+            k = _rope(k, partner, pos, d, cos_ptr, sin_ptr, mask, HEAD_DIM // 2)
         v = tl.load(v_ptr + row * stride_v + offs, mask=mask)
         tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, rope: Rope | None = None) -> None:
+    """Write this step's keys (rotated first when rope is given) and values into the cache."""
     rows = slot_mapping.shape[0]
     if rows == 0:
         return
     row = k_cache.shape[2] * k_cache.shape[3]
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous()
-    _store_kv_kernel[(rows,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                              ROW=row, BLOCK=triton.next_power_of_2(row))
+    _store_kv_kernel[(rows,)](k, v, k_cache, v_cache, slot_mapping, *_rope_args(rope, k),
+                              k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
+                              HEAD_DIM=k_cache.shape[3], ROPE=rope is not None)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
-                    scale, stride_q, stride_o, stride_bt,
+                    pos_ptr, cos_ptr, sin_ptr, scale, stride_q, stride_o, stride_bt,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, ROPE: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -60,8 +91,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_q + head * HEAD_DIM + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q_mask = m_mask[:, None] & d_mask[None, :]
+        q_row = q_ptr + rows[:, None] * stride_q + head * HEAD_DIM
+        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
+        if ROPE:
+            partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask,
+                              other=0.0)
+            pos = tl.load(pos_ptr + rows, mask=m_mask, other=0).to(tl.int64)
+            q = _rope(q, partner, pos[:, None], offs_d[None, :], cos_ptr, sin_ptr, q_mask,
+                      HEAD_DIM // 2)
         q_pos = ctx - q_len + offs_m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -95,99 +133,172 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
-                   part_o_ptr, part_ml_ptr,
-                   scale, stride_q, stride_o, stride_bt,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
+                   slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
+                   scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   TILE_N: tl.constexpr, Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, Q_LEN: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+                   PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr):
     """One program per (row, kv head, split): the split's tiles of TILE_N keys of the row.
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
     BLOCK_H >= 16), so each key tile is read once per kv head; a tile gathers TILE_N keys across
     several cache blocks, keeping many bytes in flight per loop step.
-    NUM_SPLITS == 1 writes the output; otherwise partial (normalised output, max, sum) go to
-    a workspace and _decode_reduce_kernel combines them (flash-decoding).
+
+    One launch does the whole decode attention of a layer (at batch 1 a step is ~16 such
+    launches, each a few microseconds of latency, so every launch saved counts):
+    - ROPE: q (and with STORE, the new key) are rotated to the row's position as they load;
+    - STORE (Q_LEN == 1): this step's key and value are folded in from registers by the
+      split holding the row's last key, which also writes them into the cache (no program
+      reads that slot in this launch);
+    - a row whose keys span several splits: each split writes its partial (normalised output,
+      max, sum), and the last split to finish (a per-(row, kv head) arrival counter) combines
+      them in split order, so the result does not depend on arrival order, and re-arms the
+      counter for the next launch (flash-decoding without a second kernel).
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = row // Q_LEN
     ctx = tl.load(ctx_ptr + seq)
+    row64 = row.to(tl.int64)
+    if ROPE:
+        pos = tl.load(pos_ptr + row64).to(tl.int64)
     # Row j of a sequence's Q_LEN rows sits at position ctx - Q_LEN + j; ctx 0 (padding) gives
     # kv_len <= 0, hence no tiles and a zero output.
     kv_len = ctx - Q_LEN + (row % Q_LEN) + 1
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, TILE_N)
-    h_mask = offs_h < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h
-    row64 = row.to(tl.int64)
-    q = tl.load(q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    kv_row = NUM_KV_HEADS * HEAD_DIM
-    # The row's own key tiles, dealt evenly to the splits: a short context keeps every split
+    # The row's own key tiles, dealt in runs to the splits: a short context keeps many splits
     # busy however wide the block table (the launch is sized from the table, not the row).
-    tiles_per_split = tl.cdiv(tl.maximum(tl.cdiv(kv_len, TILE_N), 0), NUM_SPLITS)
-    t_start = split * tiles_per_split * TILE_N
-    t_end = tl.minimum(t_start + tiles_per_split * TILE_N, kv_len)
-    for t in range(t_start, t_end, TILE_N):
-        tok = t + offs_n
-        t_mask = tok < kv_len
-        phys = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
-        slot = phys.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
-        kv_off = slot[:, None] * kv_row + kv_head * HEAD_DIM + offs_d[None, :]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
-    else:
-        num_heads = NUM_KV_HEADS * GROUP
-        part = (row64 * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
-        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o,
-                 mask=h_mask[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
+    # Splits past the last run have nothing to do; split 0 of a row without keys writes zeros.
+    n_tiles = tl.cdiv(tl.maximum(kv_len, 0), TILE_N)
+    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
+    active = tl.cdiv(n_tiles, per_split)
+    if split < tl.maximum(active, 1):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, TILE_N)
+        h_mask = offs_h < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_h
+        q_mask = h_mask[:, None] & d_mask[None, :]
+        q_row = q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM
+        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
+        if ROPE:  # padding rows (no keys) skip the table: their output is zero anyway
+            partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                              mask=q_mask, other=0.0)
+            q = _rope(q, partner, pos, offs_d[None, :], cos_ptr, sin_ptr, q_mask & (kv_len > 0),
+                      HEAD_DIM // 2)
+        kv_row = NUM_KV_HEADS * HEAD_DIM
+        cache_len = kv_len
+        if STORE:
+            # This step's key and value belong to the split holding the row's last key: it
+            # folds them in from registers after its loop (the loop reads only keys already
+            # cached, so its loads stay pipelined) and writes them into the cache.
+            cache_len = kv_len - 1
+            owner = (split == active - 1) & (kv_len > 0)
+            new_mask = d_mask & owner
+            head_off = kv_head * HEAD_DIM
+            k_new = tl.load(k_ptr + row64 * stride_k + head_off + offs_d, mask=new_mask, other=0.0)
+            v_new = tl.load(v_ptr + row64 * stride_v + head_off + offs_d, mask=new_mask, other=0.0)
+            if ROPE:
+                k_pair = tl.load(k_ptr + row64 * stride_k + head_off
+                                 + (offs_d + HEAD_DIM // 2) % HEAD_DIM, mask=new_mask, other=0.0)
+                k_new = _rope(k_new, k_pair, pos, offs_d, cos_ptr, sin_ptr, new_mask,
+                              HEAD_DIM // 2)
+            k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+            slot_new = tl.load(slot_ptr + row64, mask=owner, other=-1).to(tl.int64)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        t_start = split * per_split * TILE_N
+        t_end = tl.minimum(t_start + per_split * TILE_N, cache_len)
+        for t in range(t_start, t_end, TILE_N):
+            tok = t + offs_n
+            t_mask = tok < cache_len
+            phys = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
+            slot = phys.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
+            kv_off = slot[:, None] * kv_row + kv_head * HEAD_DIM + offs_d[None, :]
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        if STORE:
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            s_new = tl.where(owner, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p_new = tl.exp(s_new - m_safe)
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+            new_off = slot_new * kv_row + head_off + offs_d
+            tl.store(k_cache_ptr + new_off, k_new, mask=new_mask & (slot_new >= 0))
+            tl.store(v_cache_ptr + new_off, v_new, mask=new_mask & (slot_new >= 0))
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        out_row = out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        if active <= 1:
+            tl.store(out_row, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            # Partials of (row, kv head): [split, GROUP_P2 heads] (max, sum) and outputs.
+            pair = row64 * NUM_KV_HEADS + kv_head
+            part = (pair * NUM_SPLITS + split) * GROUP_P2 + offs_h
+            tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=q_mask)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
+            tl.debug_barrier()  # every thread's partial is written before the arrival is
+            arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if arrived == active - 1:
+                _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active,
+                                stride_o, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
+                                COMBINE_CHUNK)
+                tl.store(count_ptr + pair, 0)  # re-armed: the next launch starts from zero
 
 
 @triton.jit
-def _decode_reduce_kernel(out_ptr, part_o_ptr, part_ml_ptr, stride_o,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P2)
+def _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active, stride_o,
+                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """The row's outputs for the GROUP heads of kv_head from the active splits' partials, read
+    in split order COMBINE_CHUNK at a time (through L2: other SMs wrote them)."""
+    offs_c = tl.arange(0, CHUNK)
+    offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    part = (row * NUM_HEADS + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
-    lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
-    o = tl.load(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = lsum * tl.exp(m - m_safe)  # a split that saw no key has l = 0: weight 0
-    total = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_o + head * HEAD_DIM + offs_d, res.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    g_mask = offs_g < GROUP
+    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_run = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+    for s0 in range(0, active, CHUNK):
+        s = s0 + offs_c
+        mask = (s < active)[:, None] & g_mask[None, :]
+        part = (pair * NUM_SPLITS + s)[:, None] * GROUP_P2 + offs_g[None, :]  # [CHUNK, G]
+        m = tl.load(part_ml_ptr + part * 2, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(part_o_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :],
+                    mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = lsum * tl.exp(m - m_safe[None, :])  # a split that saw no key has l = 0: weight 0
+        alpha = tl.exp(m_run - m_safe)
+        l_run = l_run * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m_run = m_new
+    res = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    heads = kv_head * GROUP + offs_g
+    tl.store(out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 # Enough programs to fill a large GPU; below that, a row's key tiles are split across programs.
@@ -199,6 +310,7 @@ def _decode_reduce_kernel(out_ptr, part_o_ptr, part_ml_ptr, stride_o,
 _TARGET_PROGRAMS = 512  # bench/decode_attention_sweep.py: more splits cost more than they hide
 _MAX_SPLITS = 128
 _DECODE_TILE_N = 64  # keys per loop step: 4 cache blocks of 16
+_COMBINE_CHUNK = 8  # splits' partials read per step of the combine
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -209,7 +321,8 @@ def _precision(dtype: torch.dtype) -> str | None:
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              out: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                              block_tables: torch.Tensor, scale: float, num_heads: int,
-                             num_seqs: int, max_seqlen_q: int, block_m: int = 64) -> None:
+                             num_seqs: int, max_seqlen_q: int, block_m: int = 64,
+                             rope: Rope | None = None) -> None:
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_seqs == 0 or max_seqlen_q == 0:
         return
@@ -217,11 +330,11 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_m = max(16, min(block_m, triton.next_power_of_2(max_seqlen_q)))
     grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, *_rope_args(rope, q),
         scale, q.stride(0), out.stride(0), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), ROPE=rope is not None,
     )
 
 
@@ -233,36 +346,74 @@ def decode_num_splits(rows: int, num_kv_heads: int, table_tiles: int) -> int:
     return max(1, min(_MAX_SPLITS, table_tiles, triton.cdiv(_TARGET_PROGRAMS, programs)))
 
 
+class StepKV(NamedTuple):
+    """This step's keys and values [rows, kv_heads * head_dim] (strided views allowed) and the
+    cache slot of each row (-1: padding, stores nothing)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+# Arrival counters of the in-kernel split combine, one per (row, kv head), zero between
+# launches (the combining program re-arms its own). Never freed or replaced while graphs may
+# hold their address: a larger need allocates another buffer and keeps the old one alive.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 16  # 8192 decode rows of 8 kv heads: allocated once, before any capture
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, num_heads: int, q_len: int = 1,
-                            num_splits: int | None = None) -> None:
-    """Programs per (query row, kv head[, split]); rows are q_len per sequence, padded rows
-    included. The launch depends only on static shapes, so it can be graph-recorded."""
+                            num_splits: int | None = None, rope: Rope | None = None,
+                            new_kv: StepKV | None = None) -> None:
+    """One launch per (query row, kv head, split); rows are q_len per sequence, padded rows
+    included. The launch depends only on static shapes, so it can be graph-recorded.
+
+    rope: q (and new_kv's keys) are unrotated; the kernel rotates them. new_kv: this step's keys
+    and values, written into the cache first (by the decode kernel itself when q_len is 1, by
+    the KV-store kernel before it otherwise: later rows of a sequence read earlier rows' keys).
+    """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rows = q.shape[0]
+    if new_kv is not None and q_len > 1:
+        store_kv_triton(new_kv.k, new_kv.v, k_cache, v_cache, new_kv.slot_mapping, rope)
+        new_kv = None
     if rows == 0:
         return
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
     group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
     tiles = triton.cdiv(block_tables.shape[1] * block_size, _DECODE_TILE_N)
     splits = min(num_splits or decode_num_splits(rows, num_kv_heads, tiles), tiles)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
-        part_o = torch.empty(rows * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(rows * num_heads * splits * 2, dtype=torch.float32, device=q.device)
+        parts = rows * num_kv_heads * splits * group_p2
+        part_o = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q.device)
+        counters = _arrival_counters(q.device, rows * num_kv_heads)
     else:
-        part_o = part_ml = out  # unused
+        part_o = part_ml = counters = out  # unused
+    if new_kv is not None:
+        assert new_kv.k.stride(-1) == 1 and new_kv.v.stride(-1) == 1
+        assert new_kv.slot_mapping.shape[0] == rows
+        k_new, v_new, slots = new_kv
+    else:
+        k_new = v_new = slots = q  # unused
     _decode_kernel[(rows, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, context_lens, block_tables, part_o, part_ml,
-        scale, q.stride(0), out.stride(0), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        q, k_new, v_new, k_cache, v_cache, out, context_lens, block_tables, slots,
+        part_o, part_ml, counters, *_rope_args(rope, q),
+        scale, q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, group_p2), GROUP_P2=group_p2,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
-        Q_LEN=q_len, NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
+        Q_LEN=q_len, NUM_SPLITS=splits, COMBINE_CHUNK=_COMBINE_CHUNK,
+        PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None,
     )
-    if splits > 1:
-        _decode_reduce_kernel[(rows, num_heads)](
-            out, part_o, part_ml, out.stride(0),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            SPLITS_P2=triton.next_power_of_2(splits),
-        )

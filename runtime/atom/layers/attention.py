@@ -1,9 +1,10 @@
 """Paged attention: the `Attention` module and the registered split op.
 
-The model calls `torch.ops.aiter.unified_attention_with_output(q, k, v, output, layer_id)`.
-Dynamo sees one opaque node (the split point of piecewise compilation); the impl runs
-eagerly, finds its layer (KV cache, heads, scale) in the forward context, writes this step's
-keys and values into the cache and attends over it.
+The model calls `torch.ops.aiter.unified_attention_with_output(q, k, v, output, layer_id,
+positions, cos_cache, sin_cache)` with unrotated q and k (the last three may be left out for
+q and k rotated already). Dynamo sees one opaque node (the split point of piecewise
+compilation); the impl runs eagerly, finds its layer (KV cache, heads, scale) in the forward
+context, rotates q and k, writes this step's keys and values into the cache and attends.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from atom.utils.custom_register import direct_register_custom_op
 from atom.utils.forward_context import AttentionMetaData, get_forward_context
 from atom.utils.region_graph import eager_region
@@ -34,28 +36,48 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         get_forward_context().no_compile_layers[layer_id] = self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None,
+                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """Attention over q, k, v ([T, heads * head_dim], strided views allowed). With
+        positions and rotary, q and k are unrotated: the op rotates them (on CUDA inside the
+        KV-store and attention kernels, so rotary costs no launch of its own)."""
         output = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
-        torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id)
+        cos, sin = (rotary.cos_cache, rotary.sin_cache) if rotary is not None else (None, None)
+        torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id, positions,
+                                                      cos, sin)
         return output
 
 
+# False: the KV-store kernel runs before the decode kernel (bench/profile_decode.py compares).
+FUSED_DECODE_STORE = True
+
+
 def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            output: torch.Tensor, meta: AttentionMetaData) -> None:
+            output: torch.Tensor, meta: AttentionMetaData, rope: Rope | None) -> None:
     if q.is_cuda:
         from atom.kernels import triton_attention as tk
 
-        tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         if meta.max_seqlen_q == 1 and meta.extra.get("decode", True):
+            # One launch: rotary, the KV store and the split combine run inside the kernel.
+            new_kv = tk.StepKV(k, v, meta.slot_mapping)
+            if not FUSED_DECODE_STORE:
+                tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
+                new_kv = None
             tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
-                                       meta.block_tables, layer.scale, layer.num_heads)
+                                       meta.block_tables, layer.scale, layer.num_heads, rope=rope,
+                                       new_kv=new_kv)
             return
+        tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
         tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                                     meta.context_lens, meta.block_tables, layer.scale,
-                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q)
+                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q, rope=rope)
         return
+    if rope is not None:
+        q = apply_rotary(q, rope.positions, rope.cos, rope.sin, layer.head_dim)
+        k = apply_rotary(k, rope.positions, rope.cos, rope.sin, layer.head_dim)
     write_kv_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     paged_attention_torch(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                           meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
@@ -81,7 +103,12 @@ def _launch_fixed_by_bucket() -> bool:
 
 @eager_region(inline_when=_launch_fixed_by_bucket)
 def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  output: torch.Tensor, layer_id: int) -> None:
+                                  output: torch.Tensor, layer_id: int,
+                                  positions: torch.Tensor | None = None,
+                                  cos_cache: torch.Tensor | None = None,
+                                  sin_cache: torch.Tensor | None = None) -> None:
+    """Store k, v in the layer's cache and attend; given positions and the cos/sin tables,
+    q and k are rotated to their positions first."""
     ctx = get_forward_context()
     layer = ctx.no_compile_layers[layer_id]
     meta = ctx.attn_metadata
@@ -91,11 +118,20 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         # No cache yet (shape tracing, or a forward outside the engine): nothing to attend to.
         output.zero_()
         return
-    _attend(layer, q, k, v, output, meta)
+    rope = None
+    if positions is not None:
+        if cos_cache is None or sin_cache is None:
+            raise ValueError("unified_attention_with_output: positions given without the "
+                             "rotary cos_cache and sin_cache")
+        rope = Rope(positions, cos_cache, sin_cache)
+    _attend(layer, q, k, v, output, meta, rope)
 
 
 def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                       output: torch.Tensor, layer_id: int) -> None:
+                                       output: torch.Tensor, layer_id: int,
+                                       positions: torch.Tensor | None = None,
+                                       cos_cache: torch.Tensor | None = None,
+                                       sin_cache: torch.Tensor | None = None) -> None:
     return None
 
 

@@ -6,7 +6,7 @@ Supported rope_scaling types: default, linear, llama3 (Llama 3.1/3.2 frequency s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,8 +34,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+class Rope(NamedTuple):
+    """Rotary embedding to apply to unrotated q and k: each row's position and the model's
+    cos/sin tables [max_positions, head_dim / 2] (fp32)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotate every head of a flat [T, n * head_dim] tensor to its row's position (rotate-half
+    layout): in fp32, rounded once to x's dtype. The Triton attention kernels do the same."""
+    t = x.shape[0]
+    x = x.reshape(t, -1, head_dim)
+    cos, sin = cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    xf1, xf2 = x1.float(), x2.float()
+    o1 = xf1 * cos - xf2 * sin
+    o2 = xf2 * cos + xf1 * sin
+    return torch.cat((o1, o2), dim=-1).to(x.dtype).view(t, -1)
+
+
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table indexed by position ids; applied to flat [T, heads*dim] q/k."""
+    """Precomputed cos/sin tables [max_positions, head_dim / 2] (fp32), indexed by position.
+    The model hands them to the attention op, which rotates q and k (atom.layers.attention)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None) -> None:
@@ -48,24 +72,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        x = x.view(t, -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        xf1, xf2 = x1.float(), x2.float()
-        o1 = xf1 * cos - xf2 * sin
-        o2 = xf2 * cos + xf1 * sin
-        return torch.cat((o1, o2), dim=-1).to(x.dtype).view(t, -1)
-
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """Rotate every head of a flat [T, n * head_dim] tensor (q and k side by side: one
-        kernel instead of one per tensor)."""
-        return self._rotate(heads, *self._cos_sin(positions))
+        return (apply_rotary(q, positions, self.cos_cache, self.sin_cache, self.head_dim),
+                apply_rotary(k, positions, self.cos_cache, self.sin_cache, self.head_dim))

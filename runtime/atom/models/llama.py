@@ -51,17 +51,15 @@ class LlamaAttention(nn.Module):
                               self.head_dim ** -0.5, layer_id)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention over the merged q/k/v projection's output (before o_proj)."""
+        """Attention over the merged q/k/v projection's output (before o_proj). The attention
+        op applies rotary (inside its kernels on CUDA)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
-            q, k = self.rotary_emb(positions, q, k)
-        else:  # one rotation kernel over q's and k's heads together
-            qk = self.rotary_emb.rotate(positions, qkv[:, : self.q_size + self.kv_size])
-            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        return self.attn(q, k, v)  # strided views: the kernels read rows by stride
+        # strided views: the kernels read rows by stride
+        return self.attn(q, k, v, positions, self.rotary_emb)
 
 
 class LlamaMLP(nn.Module):
