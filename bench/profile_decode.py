@@ -6,16 +6,19 @@ name: calls per step, microseconds per step, share of the step; the sum of kerne
 against the wall time (the difference is GPU idle: launch gaps, host work). Each projection's
 cuBLAS GEMM on its own: bench/gemv_sweep.py.
 
-    python bench/profile_decode.py --out profile.json [--batches 1 8 64]
+    python bench/profile_decode.py --out profile.json [--batches 1 8 64] [--compare ALT ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,30 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
                          "share": round(u / total, 4) if total else 0} for k, c, u in rows]}
 
 
+# Alternatives to the engine's defaults, recorded beside them in one run (--compare):
+# name -> (module, attribute, value while recording and replaying).
+ALTERNATIVES = {
+    # The KV-store kernel before decode attention, instead of the decode kernel storing them.
+    "store-first": ("atom.layers.attention", "FUSED_DECODE_STORE", False),
+}
+
+
+@contextmanager
+def alternative(name: str | None) -> Iterator[None]:
+    settings = ALTERNATIVES[name] if name else []
+    settings = [settings] if isinstance(settings, tuple) else settings
+    saved = []
+    for module, attr, value in settings:
+        mod = importlib.import_module(module)
+        saved.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, value)
+    try:
+        yield
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -65,11 +92,9 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--store-first", action="store_true",
-                    help="also record each mode with the KV-store kernel before decode attention "
-                         "(instead of the decode kernel storing this step's keys itself)")
+    ap.add_argument("--compare", nargs="*", default=[], choices=sorted(ALTERNATIVES),
+                    help="also record each mode with these alternatives (see ALTERNATIVES)")
     args = ap.parse_args()
-    import atom.layers.attention as attention
     from atom.config import CUDAGraphMode
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -77,30 +102,27 @@ def main() -> None:
     max_bs = max(args.batches)
     blocks = max_bs * ((args.context + 1024) // 16 + 2) + 64
     engine, _, _ = db.build_engine(args.level, max_bs, args.context, blocks)
-    # name -> (mode, fused store): a graph keeps the attention path it was recorded with.
-    variants = {m: (m, True) for m in args.modes}
-    if args.store_first:
-        variants.update({f"{m}-store-first": (m, False) for m in args.modes})
+    # name -> (mode, alternative or None): a graph keeps the settings it was recorded with.
+    variants = {m: (m, None) for m in args.modes}
+    variants.update({f"{m}-{alt}": (m, alt) for m in args.modes for alt in args.compare})
     runners = {}
-    for name, (m, fused) in variants.items():
-        attention.FUSED_DECODE_STORE = fused
-        runners[name] = (db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
-                         if m != "NONE" else None)
-    attention.FUSED_DECODE_STORE = True
+    for name, (m, alt) in variants.items():
+        with alternative(alt):
+            runners[name] = (db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
+                             if m != "NONE" else None)
     for b in args.batches:
         engine.runner.graph_runner = None
         db.fill_batch(engine, b, args.context)
         for m in variants:
-            attention.FUSED_DECODE_STORE = variants[m][1]  # eager (NONE) reads it per call
             engine.runner.graph_runner = runners[m]
-            t = kernel_table(engine, args.iters)
+            with alternative(variants[m][1]):  # eager (NONE) reads the settings per call
+                t = kernel_table(engine, args.iters)
             result["profiles"][f"{m}/{b}"] = t
             print(f"\n== level {args.level} {m} batch {b}: wall {t['wall_us']} us/step, "
                   f"kernels {t['kernel_us']} us/step ({t['kernels_per_step']} launches)")
             for r in t["kernels"][:25]:
                 print(f"  {r['us']:8.2f} us {100 * r['share']:5.1f}%  x{r['calls']:<5} "
                       f"{r['name']}")
-        attention.FUSED_DECODE_STORE = True
         engine.runner.graph_runner = None
         db.drain(engine)
         with open(args.out, "w") as f:

@@ -120,5 +120,7 @@ def test_dtypes(tmp_path) -> None:
         cfg = Config(model=str(tmp_path), load_format="auto", dtype=name, device="cpu")
         model = build_model(cfg, load_model_config(str(tmp_path)))
         assert model.model.embed_tokens.weight.dtype == want
-        # RoPE tables stay fp32 whatever the weights' dtype
+        # RoPE tables stay fp32 whatever the weights' dtype, one table for every layer
         assert model.model.layers[0].self_attn.rotary_emb.cos_cache.dtype == torch.float32
+        tables = {layer.self_attn.rotary_emb.cos_cache.data_ptr() for layer in model.model.layers}
+        assert tables == {model.model.rotary_emb.cos_cache.data_ptr()}

@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
     """Attention's weights and the step between its projections (the decoder layer runs the
     projections, fused with the norm before and the residual add after)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -45,8 +45,7 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, cfg.rope_theta,
-                                          cfg.rope_scaling)
+        self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, layer_id)
 
@@ -77,9 +76,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, max_positions)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,8 +105,13 @@ class LlamaModel(nn.Module):
         self.config = hf_config
         max_positions = _max_positions(atom_config, hf_config)
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        # One cos/sin table for all layers: 16 copies of a 128K-position table would hold
+        # half a GiB, and the decode kernels of later layers find the step's row in L2.
+        self.rotary_emb = RotaryEmbedding(hf_config.head_dim, max_positions,
+                                          hf_config.rope_theta, hf_config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, max_positions) for i in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, i, self.rotary_emb)
+            for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
