@@ -8,7 +8,7 @@ swapped on it (GraphRunner with a mode override), so the modes run the same comp
   logits), timed over --iters back-to-back calls between two synchronisations;
 - step_ms: a whole LLMEngine.step() (scheduling, input preparation, forward, sampling).
 Also: transformers generate() with a static cache (which compiles the forward with
-torch.compile) on the same shapes; the bound (weight + KV bytes) / measured copy rate; the
+torch.compile) on the same shapes, per step the median of 5 timed pairs; the bound (weight + KV bytes) / measured copy rate; the
 capture time of the default ladder (1-8, 16..512).
 
     python bench/decode_bench.py --out results.json [--batches 1 8 64] [--levels 0 3]
@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -242,8 +243,11 @@ def bench_level(level: int, batches: list[int], modes: list[str], context: int, 
 # --------------------------------------------------------------------------- transformers
 
 
-def bench_transformers(batches: list[int], context: int, n0: int, n1: int) -> dict[str, Any]:
-    """ms per decode step of generate() with a static cache (auto torch.compile)."""
+def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
+                       repeats: int = 5) -> dict[str, Any]:
+    """ms per decode step of generate() with a static cache (auto torch.compile): the median
+    over `repeats` of (time of n1 new tokens - time of n0) / (n1 - n0); one pair alone moved
+    by up to 60% between runs (bench/RESULTS.md)."""
     from transformers import LlamaConfig, StoppingCriteria, StoppingCriteriaList
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -294,11 +298,16 @@ def bench_transformers(batches: list[int], context: int, n0: int, n1: int) -> di
         gen(ids, n1)  # compiles
         gen(ids, n1)
         warm = time.perf_counter() - t0
-        t_small, t_big = gen(ids, n0), gen(ids, n1)
-        ms = (t_big - t_small) / (n1 - n0) * 1e3
-        out[str(batch)] = {"decode_ms": round(ms, 4), "warmup_seconds": round(warm, 1)}
-        print(f"transformers static+compile batch {batch:>3}: {ms:7.3f} ms/step "
-              f"(warm-up {warm:.1f} s)", flush=True)
+        samples = []
+        for _ in range(repeats):
+            t_small, t_big = gen(ids, n0), gen(ids, n1)
+            samples.append((t_big - t_small) / (n1 - n0) * 1e3)
+        ms = statistics.median(samples)
+        out[str(batch)] = {"decode_ms": round(ms, 4), "samples_ms": [round(x, 4) for x in samples],
+                           "warmup_seconds": round(warm, 1)}
+        print(f"transformers static+compile batch {batch:>3}: {ms:7.3f} ms/step, median of "
+              f"{repeats} (min {min(samples):.3f}, max {max(samples):.3f}; warm-up {warm:.1f} s)",
+              flush=True)
     model.cpu()
     gc.collect()
     torch.cuda.empty_cache()
