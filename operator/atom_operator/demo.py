@@ -398,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per wait")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` tears down like Ctrl-C
+    # Python leaves SIGINT ignored when it starts with it ignored (a job put in the background
+    # by a non-interactive shell, some CI runners): Ctrl-C must tear down all the same.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     printer = Printer()
     pids: list[int] = []
     try:

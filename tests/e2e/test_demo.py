@@ -71,8 +71,12 @@ def test_demo_runs_the_whole_loop() -> None:
 
 
 def test_ctrl_c_tears_everything_down() -> None:
+    """Started with SIGINT ignored, as a background job of a non-interactive shell (or a CI
+    runner) starts it: Python then keeps ignoring SIGINT unless the demo installs its handler,
+    and the demo would run to the end instead of tearing down (this test's one flaky failure)."""
     demo = subprocess.Popen(
-        DEMO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+        DEMO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     lines: list[str] = []
     assert demo.stdout is not None
