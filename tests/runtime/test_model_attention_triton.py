@@ -30,6 +30,9 @@ CASES = {
     "decode-store-gqa2-d16": ("decode", 4, 2, 16),
     "decode-store-rope-split3-gqa3-d32": ("decode3", 6, 2, 32),
     "decode-store-rope-split4-mha-d16": ("decode4", 4, 4, 16),
+    # Two query rows per sequence (a drafter's bucket): the KV-store kernel writes both rows'
+    # keys before the decode kernel reads them, however the caller hands them over.
+    "decode-q2-store-rope-split3-gqa2-d16": ("decode3", 4, 2, 16),
 }
 
 
@@ -67,6 +70,9 @@ def _run_case(name: str) -> None:
         # A whole prompt, a chunk continuing a cached context, a single row, padding rows/seqs.
         b = random_paged_batch(q_lens=[19, 5, 1, 33], ctx_lens=[19, 40, 7, 33], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=3, pad_seqs=1, seed=heads)
+    elif "-q2-" in name:
+        b = random_paged_batch(q_lens=[2, 2, 2], ctx_lens=[2, 70, 250], num_heads=heads,
+                               num_kv_heads=kv_heads, head_dim=dim, max_blocks=16, seed=dim)
     else:
         # Padded decode: 2 extra sequences of context 0 must come out as zeros.
         # A table of 4 key tiles of 64; rows of 1 to 4 tiles, dealt to the splits (3 splits:
@@ -107,7 +113,8 @@ def _run_case(name: str) -> None:
         splits = int(kind[6:] or 1)
         new_kv = tk.StepKV(b.k, b.v, b.slot_mapping) if fused_store else None
         tk.decode_attention_triton(b.q, kc, vc, out, b.context_lens, b.block_tables, 0.25, heads,
-                                   num_splits=splits, rope=rope, new_kv=new_kv)
+                                   q_len=b.max_seqlen_q, num_splits=splits, rope=rope,
+                                   new_kv=new_kv)
         assert (out[b.num_rows:] == 0).all(), "padded decode rows must be zero"
         if fused_store:
             _check_cache(kc, vc, kc_ref, vc_ref, rope)

@@ -158,6 +158,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
       them in split order, so the result does not depend on arrival order, and re-arms the
       counter for the next launch (flash-decoding without a second kernel).
     """
+    # With several rows per sequence, a row reads the keys of the rows before it, which
+    # another program would be storing in this same launch: the caller stores them first.
+    tl.static_assert(not STORE or Q_LEN == 1, "STORE needs one query row per sequence")
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
