@@ -8,8 +8,8 @@ swapped on it (GraphRunner with a mode override), so the modes run the same comp
   logits), timed over --iters back-to-back calls between two synchronisations;
 - step_ms: a whole LLMEngine.step() (scheduling, input preparation, forward, sampling).
 Also: transformers generate() with a static cache (which compiles the forward with
-torch.compile) on the same shapes, per step the median of 5 timed pairs; the bound (weight + KV bytes) / measured copy rate; the
-capture time of the default ladder (1-8, 16..512).
+torch.compile) on the same shapes, per step the median of 5 timed pairs; the bound (weight +
+KV bytes) / measured copy rate; the capture time of the default ladder (1-8, 16..512).
 
     python bench/decode_bench.py --out results.json [--batches 1 8 64] [--levels 0 3]
 """
