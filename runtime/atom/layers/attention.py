@@ -58,17 +58,17 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.is_cuda:
         from atom.kernels import triton_attention as tk
 
-        if meta.max_seqlen_q == 1 and meta.extra.get("decode", True):
-            # One launch: rotary, the KV store and the split combine run inside the kernel.
-            new_kv = tk.StepKV(k, v, meta.slot_mapping)
-            if not FUSED_DECODE_STORE:
-                tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
-                new_kv = None
+        decode = meta.max_seqlen_q == 1 and meta.extra.get("decode", True)
+        # Decode is one launch: rotary, the KV store and the split combine run in the kernel.
+        fused_store = decode and FUSED_DECODE_STORE
+        if not fused_store:
+            tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
+        if decode:
             tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
                                        meta.block_tables, layer.scale, layer.num_heads, rope=rope,
-                                       new_kv=new_kv)
+                                       new_kv=tk.StepKV(k, v, meta.slot_mapping)
+                                       if fused_store else None)
             return
-        tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
         tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
