@@ -7,7 +7,7 @@ import torch
 
 from atom.config import Config
 from atom.layers.rmsnorm import RMSNorm
-from atom.layers.rotary import RotaryEmbedding, rope_inv_freq
+from atom.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from atom.models.llama import LlamaForCausalLM
 from atom.models.registry import load_model_config, model_config_from_hf
 
@@ -29,7 +29,12 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
 
 
 def test_rotary_is_a_rotation_per_head_pair() -> None:
-    rope = RotaryEmbedding(head_dim=8, max_positions=32, theta=10000.0)
+    table = RotaryEmbedding(head_dim=8, max_positions=32, theta=10000.0)
+
+    def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return tuple(apply_rotary(x, positions, table.cos_cache, table.sin_cache, 8)
+                     for x in (q, k))
+
     q = torch.randn(5, 2 * 8)
     k = torch.randn(5, 1 * 8)
     pos = torch.tensor([0, 1, 7, 31, 3])

@@ -71,8 +71,3 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: rebuilt from the config, never loaded from a checkpoint.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (apply_rotary(q, positions, self.cos_cache, self.sin_cache, self.head_dim),
-                apply_rotary(k, positions, self.cos_cache, self.sin_cache, self.head_dim))
