@@ -65,6 +65,13 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
 ALTERNATIVES = {
     # The KV-store kernel before decode attention, instead of the decode kernel storing them.
     "store-first": ("atom.layers.attention", "FUSED_DECODE_STORE", False),
+    # o_proj as its own GEMV launch after decode attention, instead of sharing its launch.
+    "o-proj-apart": ("atom.layers.attention", "FUSED_DECODE_O_PROJ", False),
+    # The fused launch at 4 warps with 8 weight rows a program (three programs per SM) ...
+    "o-proj-strip8-4warps": [("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
+                             ("atom.kernels.triton_decode_o_proj", "NUM_WARPS", 4)],
+    # ... or at 8 warps (two per SM).
+    "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
 }
 
 

@@ -7,8 +7,6 @@ compares the kernels with the torch reference on a random paged layout.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -61,9 +59,7 @@ def _run_case(name: str) -> None:
     import torch
 
     import atom.kernels.triton_attention as tk
-    from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
-    from atom.kernels.testing import random_paged_batch
-    from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+    from atom.kernels.testing import paged_reference, random_paged_batch
 
     kind, heads, kv_heads, dim = CASES[name]
     if kind == "prefill":
@@ -80,7 +76,7 @@ def _run_case(name: str) -> None:
         b = random_paged_batch(q_lens=[1, 1, 1, 1], ctx_lens=[1, 16, 130, 250], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=2, pad_seqs=2,
                                max_blocks=16, seed=dim)
-    q_ref, k_ref, rope = b.q, b.k, None
+    positions = None
     if "rope" in name:
         # Each row's position in its sequence (padding rows: 0), and the model's tables.
         positions = torch.zeros(b.q.shape[0], dtype=torch.long)
@@ -88,15 +84,7 @@ def _run_case(name: str) -> None:
         for i in range(b.num_seqs):
             q_len = cu[i + 1] - cu[i]
             positions[cu[i]:cu[i + 1]] = torch.arange(ctx[i] - q_len, ctx[i])
-        table = RotaryEmbedding(dim, max_positions=256, theta=10000.0)
-        rope = Rope(positions, table.cos_cache, table.sin_cache)
-        q_ref = apply_rotary(b.q, positions, table.cos_cache, table.sin_cache, dim)
-        k_ref = apply_rotary(b.k, positions, table.cos_cache, table.sin_cache, dim)
-    kc_ref, vc_ref = b.k_cache.clone(), b.v_cache.clone()
-    write_kv_torch(k_ref, b.v, kc_ref, vc_ref, b.slot_mapping)
-    ref = torch.full_like(b.q, float("nan"))
-    paged_attention_torch(q_ref, kc_ref, vc_ref, ref, b.cu_seqlens_q, b.context_lens,
-                          b.block_tables, 0.25, heads)
+    ref, kc_ref, vc_ref, rope = paged_reference(b, heads, 0.25, positions)
 
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     fused_store = "store" in name
@@ -126,11 +114,9 @@ def _run_case(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_kernel_in_interpreter(name: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, name], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"ok {name}" in proc.stdout
+    from atom.kernels.testing import run_interpreter_case
+
+    run_interpreter_case(__file__, name)
 
 
 def _aot_cases():

@@ -76,7 +76,8 @@ HOPPER_SHARED_MEMORY = 232448  # bytes per SM an H100/H200 launch may use (227 K
 
 
 def compile_for_hopper(fn: object, signature: dict[str, str], constexprs: dict[str, object],
-                       num_stages: int | None = None, aligned: tuple[str, ...] = ()) -> object:
+                       num_stages: int | None = None, aligned: tuple[str, ...] = (),
+                       num_warps: int | None = None) -> object:
     """Compile a Triton kernel ahead of time to sm_90 PTX and SASS, without a GPU, and check
     that it fits an SM's shared memory. Pointers, strides and the `aligned` arguments are
     marked 16-byte divisible, as a launch specialises them: that is what enables the
@@ -90,6 +91,8 @@ def compile_for_hopper(fn: object, signature: dict[str, str], constexprs: dict[s
     hints = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n.endswith("_ptr") or n.startswith("stride") or n in aligned}
     options = {} if num_stages is None else {"num_stages": num_stages}
+    if num_warps is not None:
+        options["num_warps"] = num_warps
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                                         attrs=hints),
                               target=GPUTarget("cuda", 90, 32), options=options)
@@ -97,3 +100,63 @@ def compile_for_hopper(fn: object, signature: dict[str, str], constexprs: dict[s
     assert compiled.metadata.shared <= HOPPER_SHARED_MEMORY, (fn, constexprs,
                                                               compiled.metadata.shared)
     return compiled
+
+
+def hopper_registers(compiled: object) -> tuple[int, int]:
+    """(registers per thread, spilled bytes) of an sm_90 kernel from compile_for_hopper, as
+    Triton's bundled ptxas reports them (-v) for its PTX."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = f"{tmp}/kernel.ptx"
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx, "-o",
+                               f"{tmp}/kernel.cubin"], capture_output=True, text=True, check=True)
+    report = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    assert regs is not None, report
+    return int(regs.group(1)), int(spills.group(1)) if spills else 0
+
+
+def run_interpreter_case(script: str, name: str, timeout: float = 300) -> None:
+    """Run `python script name` with TRITON_INTERPRET=1 and check it printed "ok name". Triton
+    reads the switch when it is first imported, so each interpreter case is a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, script, name], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"ok {name}" in proc.stdout
+
+
+def paged_reference(b: PagedBatch, num_heads: int, scale: float,
+                    positions: torch.Tensor | None = None, max_positions: int = 256
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    """The torch reference for b: (attention output, k cache and v cache after this step's
+    store, the Rope handed to the kernels or None). With positions, q and k are taken as
+    unrotated and rotated (theta 10000) before the reference stores and attends."""
+    from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+    from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+
+    q, k, rope = b.q, b.k, None
+    if positions is not None:
+        dim = b.k_cache.shape[3]
+        table = RotaryEmbedding(dim, max_positions=max_positions, theta=10000.0)
+        rope = Rope(positions, table.cos_cache, table.sin_cache)
+        q = apply_rotary(q, positions, rope.cos, rope.sin, dim)
+        k = apply_rotary(k, positions, rope.cos, rope.sin, dim)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    write_kv_torch(k, b.v, kc, vc, b.slot_mapping)
+    out = torch.full_like(b.q, float("nan"))  # every row is the reference's to write
+    paged_attention_torch(q, kc, vc, out, b.cu_seqlens_q, b.context_lens, b.block_tables, scale,
+                          num_heads)
+    return out, kc, vc, rope

@@ -141,7 +141,34 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, Q_LEN: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
                    PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr):
-    """One program per (row, kv head, split): the split's tiles of TILE_N keys of the row.
+    """One program per (row, kv head, split): see _decode_program."""
+    _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
+                    k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr, slot_ptr, part_o_ptr,
+                    part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, scale, stride_q,
+                    stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H,
+                    GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
+                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False)
+
+
+@triton.jit
+def arrive(count_ptr):
+    """Count this program's finished writes at count_ptr: every thread's stores are issued
+    (barrier) before the release that publishes them at GPU scope."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                    ctx_ptr, bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
+                    cos_ptr, sin_ptr, done_ptr, scale, stride_q, stride_k, stride_v, stride_o,
+                    stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                    Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+                    PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
+                    SIGNAL: tl.constexpr):
+    """The split's tiles of TILE_N keys of one (row, kv head).
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
     BLOCK_H >= 16), so each key tile is read once per kv head; a tile gathers TILE_N keys across
@@ -156,14 +183,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
     - a row whose keys span several splits: each split writes its partial (normalised output,
       max, sum), and the last split to finish (a per-(row, kv head) arrival counter) combines
       them in split order, so the result does not depend on arrival order, and re-arms the
-      counter for the next launch (flash-decoding without a second kernel).
+      counter for the next launch (flash-decoding without a second kernel);
+    - SIGNAL: whichever program writes a (row, kv head)'s final output then counts it at
+      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch).
     """
     # With several rows per sequence, a row reads the keys of the rows before it, which
     # another program would be storing in this same launch: the caller stores them first.
     tl.static_assert(not STORE or Q_LEN == 1, "STORE needs one query row per sequence")
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq = row // Q_LEN
     ctx = tl.load(ctx_ptr + seq)
     row64 = row.to(tl.int64)
@@ -254,6 +280,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
         out_row = out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :]
         if active <= 1:
             tl.store(out_row, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            if SIGNAL:
+                arrive(done_ptr)
         else:
             # Partials of (row, kv head): [split, GROUP_P2 heads] (max, sum) and outputs.
             pair = row64 * NUM_KV_HEADS + kv_head
@@ -268,6 +296,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
                                 stride_o, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
                                 COMBINE_CHUNK)
                 tl.store(count_ptr + pair, 0)  # re-armed: the next launch starts from zero
+                if SIGNAL:
+                    arrive(done_ptr)
 
 
 @triton.jit
@@ -372,26 +402,25 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return held[-1]
 
 
-def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, num_heads: int, q_len: int = 1,
-                            num_splits: int | None = None, rope: Rope | None = None,
-                            new_kv: StepKV | None = None) -> None:
-    """One launch per (query row, kv head, split); rows are q_len per sequence, padded rows
-    included. The launch depends only on static shapes, so it can be graph-recorded.
+class DecodeLaunch(NamedTuple):
+    """A decode launch's grid (rows, kv heads, splits), its arguments in _decode_kernel's order
+    (pointers, then scalars) and its compile-time constants."""
 
-    rope: q (and new_kv's keys) are unrotated; the kernel rotates them. new_kv: this step's keys
-    and values, written into the cache first (by the decode kernel itself when q_len is 1, by
-    the KV-store kernel before it otherwise: later rows of a sequence read earlier rows' keys).
-    """
+    grid: tuple[int, int, int]
+    args: tuple[object, ...]
+    constants: dict[str, object]
+
+
+def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  scale: float, num_heads: int, q_len: int = 1, num_splits: int | None = None,
+                  rope: Rope | None = None, new_kv: StepKV | None = None) -> DecodeLaunch:
+    """What decode_attention_triton launches; new_kv only with q_len 1 (the kernel's own
+    store)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rows = q.shape[0]
-    if new_kv is not None and q_len > 1:
-        store_kv_triton(new_kv.k, new_kv.v, k_cache, v_cache, new_kv.slot_mapping, rope)
-        new_kv = None
-    if rows == 0:
-        return
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
+    assert new_kv is None or q_len == 1
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     tiles = triton.cdiv(block_tables.shape[1] * block_size, _DECODE_TILE_N)
@@ -410,13 +439,35 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_new, v_new, slots = new_kv
     else:
         k_new = v_new = slots = q  # unused
-    _decode_kernel[(rows, num_kv_heads, splits)](
-        q, k_new, v_new, k_cache, v_cache, out, context_lens, block_tables, slots,
-        part_o, part_ml, counters, *_rope_args(rope, q),
-        scale, q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0),
-        block_tables.stride(0),
+    args = (q, k_new, v_new, k_cache, v_cache, out, context_lens, block_tables, slots,
+            part_o, part_ml, counters, *_rope_args(rope, q),
+            scale, q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0),
+            block_tables.stride(0))
+    constants = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, group_p2), GROUP_P2=group_p2,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
         Q_LEN=q_len, NUM_SPLITS=splits, COMBINE_CHUNK=_COMBINE_CHUNK,
-        PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None,
-    )
+        PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None)
+    return DecodeLaunch((rows, num_kv_heads, splits), args, constants)
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                            scale: float, num_heads: int, q_len: int = 1,
+                            num_splits: int | None = None, rope: Rope | None = None,
+                            new_kv: StepKV | None = None) -> None:
+    """One launch per (query row, kv head, split); rows are q_len per sequence, padded rows
+    included. The launch depends only on static shapes, so it can be graph-recorded.
+
+    rope: q (and new_kv's keys) are unrotated; the kernel rotates them. new_kv: this step's keys
+    and values, written into the cache first (by the decode kernel itself when q_len is 1, by
+    the KV-store kernel before it otherwise: later rows of a sequence read earlier rows' keys).
+    """
+    if new_kv is not None and q_len > 1:
+        store_kv_triton(new_kv.k, new_kv.v, k_cache, v_cache, new_kv.slot_mapping, rope)
+        new_kv = None
+    if q.shape[0] == 0:
+        return
+    launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
+                           num_heads, q_len, num_splits, rope, new_kv)
+    _decode_kernel[launch.grid](*launch.args, **launch.constants)

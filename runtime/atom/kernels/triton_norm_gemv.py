@@ -198,11 +198,13 @@ def _config(n: int, k: int, gated: bool, block_m: int,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= MAX_ROWS."""
+         residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= MAX_ROWS;
+    written into out when given."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n) and y.stride(-1) == 1
     if m == 0:
         return y
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -223,21 +225,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 
 def rows_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
               norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The same result for any number of rows: norm kernel, cuBLAS, SiLU-gate kernel, add."""
+              residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The same result for any number of rows: norm kernel, cuBLAS, SiLU-gate kernel, add
+    (into out when given)."""
     m, k = x.shape
     if norm_weight is not None and m:
         normed = torch.empty_like(x)
         _rmsnorm_kernel[(m,)](x, norm_weight, normed, k, eps, x.stride(0), normed.stride(0),
                               BLOCK=triton.next_power_of_2(k))
         x = normed
-    out = F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
     if gated:
         n = weight.shape[0] // 2
-        gu, out = out, torch.empty(m, n, dtype=x.dtype, device=x.device)
+        gu, y = y, torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m:
-            _silu_mul_kernel[(m, triton.cdiv(n, 1024))](gu, out, n, gu.stride(0), out.stride(0),
+            _silu_mul_kernel[(m, triton.cdiv(n, 1024))](gu, y, n, gu.stride(0), y.stride(0),
                                                          BLOCK=1024)
     if residual is not None:
-        out += residual  # in the model's dtype: an fp32 add rounded once
-    return out
+        # in the model's dtype: an fp32 add rounded once
+        return torch.add(y, residual, out=out) if out is not None else y.add_(residual)
+    return y if out is None else out.copy_(y)

@@ -1,18 +1,24 @@
 """Paged attention: the `Attention` module and the registered split op.
 
 The model calls `torch.ops.aiter.unified_attention_with_output(q, k, v, output, layer_id,
-positions, cos_cache, sin_cache)` with unrotated q and k (the last three may be left out for
-q and k rotated already). Dynamo sees one opaque node (the split point of piecewise
-compilation); the impl runs eagerly, finds its layer (KV cache, heads, scale) in the forward
-context, rotates q and k, writes this step's keys and values into the cache and attends.
+positions, cos_cache, sin_cache, o_weight, o_bias, residual, proj_out)` with unrotated q and k
+(positions and the tables may be left out for q and k rotated already). Dynamo sees one
+opaque node (the split point of piecewise compilation); the impl runs eagerly, finds its
+layer (KV cache, heads, scale) in the forward context, rotates q and k, writes this step's
+keys and values into the cache and attends into output. Given o_weight and proj_out, it also
+writes residual + output o_weight^T + o_bias into proj_out: at decode sizes on CUDA the
+output projection shares the attention's launch (atom.kernels.triton_decode_o_proj).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+from atom.layers.norm_linear import project
 from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from atom.utils.custom_register import direct_register_custom_op
 from atom.utils.forward_context import AttentionMetaData, get_forward_context
@@ -38,49 +44,83 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None,
-                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+                rotary: RotaryEmbedding | None = None, o_proj: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over q, k, v ([T, heads * head_dim], strided views allowed). With
         positions and rotary, q and k are unrotated: the op rotates them (on CUDA inside the
-        KV-store and attention kernels, so rotary costs no launch of its own)."""
+        KV-store and attention kernels, so rotary costs no launch of its own). With o_proj
+        (a Linear), the result is [residual +] o_proj(attention): at decode sizes on CUDA
+        one launch does both."""
         output = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
         cos, sin = (rotary.cos_cache, rotary.sin_cache) if rotary is not None else (None, None)
+        if o_proj is None:
+            torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id,
+                                                          positions, cos, sin)
+            return output
+        proj_out = torch.empty(q.shape[0], o_proj.weight.shape[0], dtype=q.dtype,
+                               device=q.device)
         torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id, positions,
-                                                      cos, sin)
-        return output
+                                                      cos, sin, o_proj.weight, o_proj.bias,
+                                                      residual, proj_out)
+        return proj_out
+
+
+class OutputProjection(NamedTuple):
+    """What the op writes after attending: out = [residual +] attention weight^T [+ bias]."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    residual: torch.Tensor | None
+    out: torch.Tensor
 
 
 # False: the KV-store kernel runs before the decode kernel (bench/profile_decode.py compares).
 FUSED_DECODE_STORE = True
 
 
+# False: o_proj runs as its own kernel after the decode attention (bench/profile_decode.py).
+FUSED_DECODE_O_PROJ = True
+
+
 def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            output: torch.Tensor, meta: AttentionMetaData, rope: Rope | None) -> None:
+            output: torch.Tensor, meta: AttentionMetaData, rope: Rope | None,
+            proj: OutputProjection | None) -> bool:
+    """Attention into output; True when proj was written too (the fused decode launch)."""
     if q.is_cuda:
         from atom.kernels import triton_attention as tk
+        from atom.kernels import triton_decode_o_proj as fused
 
         decode = meta.max_seqlen_q == 1 and meta.extra.get("decode", True)
         # Decode is one launch: rotary, the KV store and the split combine run in the kernel.
         fused_store = decode and FUSED_DECODE_STORE
         if not fused_store:
             tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
+        new_kv = tk.StepKV(k, v, meta.slot_mapping) if fused_store else None
+        if (fused_store and proj is not None and FUSED_DECODE_O_PROJ
+                and q.shape[0] == fused.ROWS):
+            fused.decode_attention_o_proj_triton(
+                q, layer.k_cache, layer.v_cache, output, meta.context_lens, meta.block_tables,
+                layer.scale, layer.num_heads, proj.weight, proj.bias, proj.residual, proj.out,
+                rope=rope, new_kv=new_kv)
+            return True
         if decode:
             tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
                                        meta.block_tables, layer.scale, layer.num_heads, rope=rope,
-                                       new_kv=tk.StepKV(k, v, meta.slot_mapping)
-                                       if fused_store else None)
-            return
+                                       new_kv=new_kv)
+            return False
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
         tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                                     meta.context_lens, meta.block_tables, layer.scale,
                                     layer.num_heads, meta.num_seqs, meta.max_seqlen_q, rope=rope)
-        return
+        return False
     if rope is not None:
         q = apply_rotary(q, rope.positions, rope.cos, rope.sin, layer.head_dim)
         k = apply_rotary(k, rope.positions, rope.cos, rope.sin, layer.head_dim)
     write_kv_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     paged_attention_torch(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                           meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
+    return False
 
 
 def _launch_fixed_by_bucket() -> bool:
@@ -106,9 +146,19 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   output: torch.Tensor, layer_id: int,
                                   positions: torch.Tensor | None = None,
                                   cos_cache: torch.Tensor | None = None,
-                                  sin_cache: torch.Tensor | None = None) -> None:
-    """Store k, v in the layer's cache and attend; given positions and the cos/sin tables,
-    q and k are rotated to their positions first."""
+                                  sin_cache: torch.Tensor | None = None,
+                                  o_weight: torch.Tensor | None = None,
+                                  o_bias: torch.Tensor | None = None,
+                                  residual: torch.Tensor | None = None,
+                                  proj_out: torch.Tensor | None = None) -> None:
+    """Store k, v in the layer's cache and attend into output; given positions and the cos/sin
+    tables, q and k are rotated to their positions first. Given o_weight and proj_out:
+    proj_out = [residual +] output o_weight^T [+ o_bias]."""
+    if (o_weight is None) != (proj_out is None):
+        raise ValueError("unified_attention_with_output: o_weight and proj_out go together "
+                         f"(o_weight {'given' if o_weight is not None else 'missing'}, "
+                         f"proj_out {'given' if proj_out is not None else 'missing'})")
+    proj = OutputProjection(o_weight, o_bias, residual, proj_out) if o_weight is not None else None
     ctx = get_forward_context()
     layer = ctx.no_compile_layers[layer_id]
     meta = ctx.attn_metadata
@@ -117,28 +167,35 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if meta is None or layer.k_cache.numel() == 0:
         # No cache yet (shape tracing, or a forward outside the engine): nothing to attend to.
         output.zero_()
-        return
-    rope = None
-    if positions is not None:
-        if cos_cache is None or sin_cache is None:
-            raise ValueError("unified_attention_with_output: positions given without the "
-                             "rotary cos_cache and sin_cache")
-        rope = Rope(positions, cos_cache, sin_cache)
-    _attend(layer, q, k, v, output, meta, rope)
+    else:
+        rope = None
+        if positions is not None:
+            if cos_cache is None or sin_cache is None:
+                raise ValueError("unified_attention_with_output: positions given without the "
+                                 "rotary cos_cache and sin_cache")
+            rope = Rope(positions, cos_cache, sin_cache)
+        if _attend(layer, q, k, v, output, meta, rope, proj):
+            return
+    if proj is not None:
+        project(output, proj.weight, proj.bias, residual=proj.residual, out=proj.out)
 
 
 def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                        output: torch.Tensor, layer_id: int,
                                        positions: torch.Tensor | None = None,
                                        cos_cache: torch.Tensor | None = None,
-                                       sin_cache: torch.Tensor | None = None) -> None:
+                                       sin_cache: torch.Tensor | None = None,
+                                       o_weight: torch.Tensor | None = None,
+                                       o_bias: torch.Tensor | None = None,
+                                       residual: torch.Tensor | None = None,
+                                       proj_out: torch.Tensor | None = None) -> None:
     return None
 
 
 direct_register_custom_op(
     op_name="unified_attention_with_output",
     op_func=unified_attention_with_output,
-    mutates_args=["output"],
+    mutates_args=["output", "proj_out"],
     fake_impl=unified_attention_with_output_fake,
     dispatch_key=("CPU", "CUDA"),
 )

@@ -34,19 +34,22 @@ def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out + residual if residual is not None else out
 
 
-def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                **fused: object) -> torch.Tensor:
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+            out: torch.Tensor | None = None, **fused: object) -> torch.Tensor:
+    """The projection with its fused neighbours (reference_projection's keywords), into out
+    when given: the decode kernels on CUDA, the unfused math elsewhere."""
     if x.is_cuda:
         from atom.kernels import triton_norm_gemv as kernels
 
         run = kernels.gemv if x.shape[0] <= kernels.MAX_ROWS else kernels.rows_path
-        return run(x, weight, bias, **fused)
-    return reference_projection(x, weight, bias, **fused)
+        return run(x, weight, bias, out=out, **fused)
+    result = reference_projection(x, weight, bias, **fused)
+    return result if out is None else out.copy_(result)
 
 
 def _norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                  bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
-    return _projection(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+    return project(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
 
 
 def _norm_linear_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -57,7 +60,7 @@ def _norm_linear_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 def _linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 residual: torch.Tensor) -> torch.Tensor:
-    return _projection(x, weight, bias, residual=residual)
+    return project(x, weight, bias, residual=residual)
 
 
 def _linear_add_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -49,16 +49,19 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, layer_id)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention over the merged q/k/v projection's output (before o_proj). The attention
-        op applies rotary (inside its kernels on CUDA)."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention over the merged q/k/v projection's output and
+        o_proj. The attention op applies rotary and o_proj with the residual add (at decode
+        sizes on CUDA, attention and o_proj are one launch)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         # strided views: the kernels read rows by stride
-        return self.attn(q, k, v, positions, self.rotary_emb)
+        return self.attn(q, k, v, positions, self.rotary_emb, o_proj=self.o_proj,
+                         residual=residual)
 
 
 class LlamaMLP(nn.Module):
@@ -87,10 +90,9 @@ class LlamaDecoderLayer(nn.Module):
         """The residual stream in, the residual stream out. Each norm runs inside the
         projection after it, the SiLU gate inside gate_up, and each residual add inside the
         projection before it (atom.layers.norm_linear: one kernel per projection at decode
-        sizes on CUDA)."""
+        sizes on CUDA; o_proj inside the attention op)."""
         qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj)
-        attn = self.self_attn.attend(positions, qkv)
-        hidden = linear_add(attn, self.self_attn.o_proj, hidden)
+        hidden = self.self_attn.attend(positions, qkv, hidden)
         act = norm_linear(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj, gated=True)
         return linear_add(act, self.mlp.down_proj, hidden)
 

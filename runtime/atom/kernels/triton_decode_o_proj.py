@@ -1,0 +1,156 @@
+"""Decode attention and the output projection in one launch.
+
+At batch 1 the decode attention of a layer is a few microseconds of latency on a few dozen
+SMs, and the o_proj launch after it is a small weight stream that is mostly ramp: launch,
+first loads, epilogue (bench/RESULTS.md, sessions 4-5). Here the projection's programs share
+the attention's launch: each loads its strip of o_proj weights (and the residual) into
+registers while the attention programs run, waits until every kv head's output is in, then
+needs one read of the attention output. The weight stream hides behind the attention instead
+of following it.
+
+Roles are dealt by ticket (an atomic counter taken as each program starts), attention first:
+a projection program waits only for tickets handed out before its own, whose programs are
+already running and never wait, so the launch cannot deadlock whatever order the hardware
+starts programs in or however few fit at once. The last projection program re-arms the
+counters for the next launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
+from atom.layers.rotary import Rope
+
+# Rows the fused launch takes: batch-1 decode. With 2 to 4 rows (a loop over them after the
+# wait) it was slower than two launches (bench/RESULTS.md).
+ROWS = 1
+# Weight bytes a program holds in registers while it waits (16 rows of 2048 in bf16: 128
+# programs hold all of Llama-3.2-1B's o_proj), and warps a program: 154 registers a thread,
+# one program per SM (tests/runtime/test_decode_o_proj_triton.py). On the H200 this beat 8 rows
+# (two or three programs per SM), 32 rows at 16 warps, and a 128-register cap (spills):
+# bench/RESULTS.md.
+STRIP_BYTES = 64 * 1024
+NUM_WARPS = 8
+
+# The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
+# queue behind the tickets and arrivals of another.
+_LINE = 32
+_SYNC: dict[torch.device, torch.Tensor] = {}
+
+
+def _sync_counters(device: torch.device) -> torch.Tensor:
+    """Tickets, outputs done and projections done (elements 0, _LINE, 2 * _LINE), zero between
+    launches; allocated once (before any capture) and kept: recorded graphs hold its address."""
+    if device not in _SYNC:
+        _SYNC[device] = torch.zeros(3 * _LINE, dtype=torch.int32, device=device)
+    return _SYNC[device]
+
+
+@triton.jit
+def _wait_for(count_ptr, target):
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _o_proj_program(strip, x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, N, K,
+                    stride_w, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[strip] = x W[strip]^T (+ bias) (+ residual) for the one row, rounded where linear_add
+    rounds: the projection's output, then the sum."""
+    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    # Everything that does not depend on the attention output, loaded before the wait.
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    _wait_for(done_ptr, target)
+    # Written by other SMs in this launch: read through L2.
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg")
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        acc += bias
+    out_ty = y_ptr.dtype.element_ty
+    out = acc.to(out_ty).to(tl.float32)
+    if HAS_RES:
+        out += res
+    tl.store(y_ptr + offs_n, out.to(out_ty), mask=n_mask)
+
+
+@triton.jit
+def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr,
+                          bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
+                          cos_ptr, sin_ptr, scale, stride_q, stride_k, stride_v, stride_o,
+                          stride_bt, w_ptr, b_ptr, res_ptr, y_ptr, sync_ptr, n_attn, N, K,
+                          stride_w,
+                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                          BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                          Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                          ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          LINE: tl.constexpr):
+    """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
+    first tickets are the splits that hold keys even for short contexts); the tickets after
+    them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
+    + 2 * LINE: strips done."""
+    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    done_ptr = sync_ptr + LINE
+    pairs = n_attn // NUM_SPLITS
+    if ticket < n_attn:
+        pair = ticket % pairs
+        _decode_program(pair // NUM_KV_HEADS, pair % NUM_KV_HEADS, ticket // pairs, q_ptr,
+                        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
+                        slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
+                        done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
+                        NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                        TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True)
+    else:
+        # Every (row, kv head) output is counted once, by whichever program writes it.
+        _o_proj_program(ticket - n_attn, out_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
+                        N, K, stride_w, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K)
+        n_proj = tl.num_programs(0) - n_attn
+        finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
+        if finished == n_proj - 1:
+            # Every ticket is taken and every wait is over: re-armed for the next launch.
+            tl.store(sync_ptr, 0)
+            tl.store(done_ptr, 0)
+            tl.store(sync_ptr + 2 * LINE, 0)
+
+
+def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   out: torch.Tensor, context_lens: torch.Tensor,
+                                   block_tables: torch.Tensor, scale: float, num_heads: int,
+                                   o_weight: torch.Tensor, o_bias: torch.Tensor | None,
+                                   residual: torch.Tensor | None, proj_out: torch.Tensor,
+                                   num_splits: int | None = None, rope: Rope | None = None,
+                                   new_kv: StepKV | None = None) -> None:
+    """decode_attention_triton for one sequence's row into out, then
+    proj_out = out o_weight^T (+ o_bias) (+ residual), in one graph-recordable launch."""
+    rows = q.shape[0]
+    assert rows == ROWS, f"{rows} rows: the fused o_proj launch takes {ROWS}"
+    n, k = o_weight.shape
+    assert out.shape[1] == k and proj_out.shape == (rows, n)
+    assert o_weight.stride(-1) == 1 and proj_out.stride(-1) == 1
+    assert residual is None or (residual.shape == (rows, n) and residual.stride(-1) == 1)
+    launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
+                           num_heads, 1, num_splits, rope, new_kv)
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(16, STRIP_BYTES // (block_k * o_weight.element_size())))
+    n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    res = residual if residual is not None else proj_out
+    _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](
+        *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
+        _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
+        HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, LINE=_LINE, num_warps=NUM_WARPS)
