@@ -91,3 +91,19 @@ def test_unknown_names_are_refused() -> None:
     with pytest.raises(ValueError, match="model_type"):
         model_config_from_hf({"model_type": "gpt2", "hidden_size": 8, "num_attention_heads": 2,
                               "vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1})
+
+
+def test_attention_op_refuses_o_weight_without_proj_out() -> None:
+    """The output projection's weight and its destination go together: either alone is a
+    caller's mistake, named in the error, before anything is computed."""
+    import atom.layers.attention  # noqa: F401  (registers the op)
+
+    q = torch.zeros(1, 8)
+    kv = torch.zeros(1, 4)
+    out = torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="o_weight given, proj_out missing"):
+        torch.ops.aiter.unified_attention_with_output(q, kv, kv, out, 0, None, None, None,
+                                                      torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="o_weight missing, proj_out given"):
+        torch.ops.aiter.unified_attention_with_output(q, kv, kv, out, 0, None, None, None, None,
+                                                      None, None, torch.zeros(1, 8))
