@@ -43,7 +43,9 @@ _SYNC: dict[torch.device, torch.Tensor] = {}
 
 def _sync_counters(device: torch.device) -> torch.Tensor:
     """Tickets, outputs done and projections done (elements 0, _LINE, 2 * _LINE), zero between
-    launches; allocated once (before any capture) and kept: recorded graphs hold its address."""
+    launches; allocated once (before any capture) and kept: recorded graphs hold its address.
+    One set per device, as for the decode kernel's arrival counters: fused launches on one
+    device run one at a time (the engine's stream orders them)."""
     if device not in _SYNC:
         _SYNC[device] = torch.zeros(3 * _LINE, dtype=torch.int32, device=device)
     return _SYNC[device]
