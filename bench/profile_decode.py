@@ -72,6 +72,8 @@ ALTERNATIVES = {
                              ("atom.kernels.triton_decode_o_proj", "NUM_WARPS", 4)],
     # ... or at 8 warps (two per SM).
     "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
+    # The fused launch with the weights loaded after the wait: what the preload buys.
+    "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
 }
 
 

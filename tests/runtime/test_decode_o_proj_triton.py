@@ -90,7 +90,8 @@ def test_fused_kernel_compiles_for_hopper_without_a_gpu() -> None:
               "BLOCK_D": 64, "BLOCK_SIZE": 16, "TILE_N": 64, "Q_LEN": 1, "NUM_SPLITS": 24,
               "COMBINE_CHUNK": 8, "PRECISION": None, "ROPE": True, "STORE": True,
               "HAS_BIAS": False, "HAS_RES": True,
-              "BLOCK_N": fused.STRIP_BYTES // (2048 * 2), "BLOCK_K": 2048, "LINE": fused._LINE}
+              "BLOCK_N": fused.STRIP_BYTES // (2048 * 2), "BLOCK_K": 2048, "LINE": fused._LINE,
+              "PRELOAD": True}
     sig |= {n: "constexpr" for n in consts}
     compiled = compile_for_hopper(fused._decode_o_proj_kernel, sig, consts,
                                   num_warps=fused.NUM_WARPS)

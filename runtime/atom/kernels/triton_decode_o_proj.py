@@ -34,6 +34,8 @@ ROWS = 1
 # bench/RESULTS.md.
 STRIP_BYTES = 64 * 1024
 NUM_WARPS = 8
+# False: the projection programs load their weights after the wait (bench/profile_decode.py).
+PRELOAD_WEIGHTS = True
 
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
@@ -61,21 +63,24 @@ def _wait_for(count_ptr, target):
 @triton.jit
 def _o_proj_program(strip, x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, N, K,
                     stride_w, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
     """y[strip] = x W[strip]^T (+ bias) (+ residual) for the one row, rounded where linear_add
     rounds: the projection's output, then the sum."""
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     k_mask = offs_k < K
-    # Everything that does not depend on the attention output, loaded before the wait.
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :],
-                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    if PRELOAD:  # everything that does not depend on the attention output, before the wait
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if HAS_RES:
         res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     _wait_for(done_ptr, target)
+    if not PRELOAD:
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     # Written by other SMs in this launch: read through L2.
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg")
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
@@ -101,7 +106,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr):
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr):
     """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
     first tickets are the splits that hold keys even for short contexts); the tickets after
     them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
@@ -120,7 +125,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
         _o_proj_program(ticket - n_attn, out_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
-                        N, K, stride_w, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K)
+                        N, K, stride_w, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K, PRELOAD)
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:
@@ -155,4 +160,4 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
         _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
         HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, num_warps=NUM_WARPS)
+        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, num_warps=NUM_WARPS)
