@@ -151,7 +151,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
 
 
 @triton.jit
-def arrive(count_ptr):
+def _arrive(count_ptr):
     """Count this program's finished writes at count_ptr: every thread's stores are issued
     (barrier) before the release that publishes them at GPU scope."""
     tl.debug_barrier()
@@ -281,7 +281,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
         if active <= 1:
             tl.store(out_row, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             if SIGNAL:
-                arrive(done_ptr)
+                _arrive(done_ptr)
         else:
             # Partials of (row, kv head): [split, GROUP_P2 heads] (max, sum) and outputs.
             pair = row64 * NUM_KV_HEADS + kv_head
@@ -297,7 +297,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
                                 COMBINE_CHUNK)
                 tl.store(count_ptr + pair, 0)  # re-armed: the next launch starts from zero
                 if SIGNAL:
-                    arrive(done_ptr)
+                    _arrive(done_ptr)
 
 
 @triton.jit
