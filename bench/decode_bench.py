@@ -138,7 +138,7 @@ def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
     try:
         with torch.inference_mode():
             input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
-            idx = torch.arange(len(seqs), device=runner.device)
+            idx = runner.logits_rows(runner._logits_indices(seqs)[0])  # as execute_model
             with runner.step_context(meta, context):
                 yield runner, input_ids, idx
     finally:

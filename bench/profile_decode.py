@@ -74,6 +74,15 @@ ALTERNATIVES = {
     "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
     # The fused launch with the weights loaded after the wait: what the preload buys.
     "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
+    # The decode attention as an ordinary launch, not started early beside the qkv projection.
+    "no-pdl": ("atom.kernels.triton_attention", "DECODE_PDL", False),
+    # One-row projections (qkv) on the tiled GEMV, not the early-launched preloading kernel.
+    "no-row-gemv": ("atom.kernels.triton_norm_gemv", "ROW_GEMV", False),
+    # Neither of the two above.
+    # The tiled projections (gate_up, down) as ordinary launches, not launched early.
+    "tiled-pdl-off": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
+    "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
+                        ("atom.kernels.triton_norm_gemv", "ROW_GEMV", False)],
 }
 
 

@@ -154,12 +154,12 @@ def _aot_cases():
                            "BLOCK_D": "constexpr", "BLOCK_SIZE": "constexpr", "TILE_N": "constexpr",
                            "Q_LEN": "constexpr", "NUM_SPLITS": "constexpr",
                            "COMBINE_CHUNK": "constexpr", "PRECISION": "constexpr",
-                           "ROPE": "constexpr", "STORE": "constexpr"},
+                           "ROPE": "constexpr", "STORE": "constexpr", "PDL": "constexpr"},
                           {"NUM_KV_HEADS": 8, "GROUP": 4, "BLOCK_H": 16, "GROUP_P2": 4,
                            "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_SIZE": 16, "TILE_N": 64,
                            "Q_LEN": 1, "NUM_SPLITS": splits, "COMBINE_CHUNK": 8,
                            "PRECISION": "ieee" if dt == "fp32" else None, "ROPE": use_rope,
-                           "STORE": store}))
+                           "STORE": store, "PDL": store}))
     return cases
 
 

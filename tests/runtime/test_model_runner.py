@@ -129,3 +129,21 @@ def test_graph_runner_hook(engine: LLMEngine) -> None:
         _free(engine, seqs)
     finally:
         runner.graph_runner = None
+
+
+def test_logits_rows_count_for_leading_rows_else_indices(engine: LLMEngine) -> None:
+    """Decode steps sample their first rows in order: run_model takes a count (a view of the
+    hidden states); other steps an index tensor. Both give the same logits for those rows."""
+    runner = engine.runner
+    assert runner.logits_rows([0, 1, 2]) == 3
+    assert runner.logits_rows([]) == 0
+    idx = runner.logits_rows([2, 4])
+    assert isinstance(idx, torch.Tensor) and idx.tolist() == [2, 4]
+    seqs = _seqs(engine, [[1, 9, 8, 7], [1, 3, 3]], decode=True)
+    ids, _, meta, ctx = runner.prepare_inputs(seqs, False, pad_to_rows=4, pad_to_seqs=4)
+    with runner.step_context(meta, ctx), torch.inference_mode():
+        by_count, hidden = runner.run_model(ids, runner.logits_rows([0, 1]))
+        by_index, _ = runner.run_model(ids, torch.tensor([0, 1]))
+    assert by_count.shape == (2, by_count.shape[1]) and hidden.shape[0] == 4
+    assert torch.equal(by_count, by_index)
+    _free(engine, seqs)

@@ -22,6 +22,9 @@ CASES = {
     "9rows-residual-bias": (9, False, False, True, True),
     "40rows-norm-gated": (40, True, True, False, False),  # rows_path from here on
     "40rows-residual-bias": (40, False, False, True, True),
+    # The one-row preloading kernel (row_gemv), launched as an ordinary launch.
+    "row-norm-bias": (1, True, False, True, False),
+    "row-residual": (1, False, False, False, True),
 }
 K, N = 96, 40
 
@@ -49,8 +52,12 @@ def _run_case(name: str) -> None:
     weight = torch.randn(out_n, K, generator=gen) / K ** 0.5
     bias = torch.randn(out_n, generator=gen) if has_bias else None
     ref = reference_projection(x, weight, bias, **fused)
-    run = kernels.gemv if rows <= kernels.MAX_ROWS else kernels.rows_path
-    out = run(x, weight, bias, **fused)
+    if name.startswith("row-"):
+        out = kernels.row_gemv(x, weight, bias, torch.empty(rows, N), norm_weight=fused["norm_weight"],
+                               eps=fused["eps"], residual=fused["residual"])
+    else:
+        run = kernels.gemv if rows <= kernels.MAX_ROWS else kernels.rows_path
+        out = run(x, weight, bias, **fused)
     assert out.shape == ref.shape == (rows, N)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
@@ -66,7 +73,7 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
     """Every constexpr variant the launchers use, in bf16 and fp32, to sm_90 PTX and SASS."""
     pytest.importorskip("triton")
     import atom.kernels.triton_norm_gemv as kernels
-    from atom.kernels.testing import compile_for_hopper
+    from atom.kernels.testing import compile_for_hopper, hopper_registers
 
     for dt in ("bf16", "fp32"):
         ptrs = {p: f"*{dt}" for p in ("x_ptr", "nw_ptr", "w_ptr", "b_ptr", "res_ptr", "y_ptr")}
@@ -74,7 +81,7 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
         ints_after = {p: "i32" for p in ("stride_x", "stride_w", "stride_r", "stride_y",
                                          "up_offset")}
         flags = ("HAS_NORM", "GATED", "HAS_BIAS", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                 "SPLIT", "PRECISION")
+                 "SPLIT", "PRECISION", "RELEASE", "WAIT")
         elem = 4 if dt == "fp32" else 2
         sig = {**ptrs, **ints, "eps": "fp32", **ints_after, **{f: "constexpr" for f in flags}}
         # (n, k, norm, gated, bias, residual): the model's four projections, and more;
@@ -87,7 +94,19 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
             compile_for_hopper(kernels._norm_gemv_kernel, sig, {
                 "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
                 "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
-                "PRECISION": "ieee" if dt == "fp32" else "tf32"}, stages, ("N", "K", "up_offset"))
+                "PRECISION": "ieee" if dt == "fp32" else "tf32", "RELEASE": dt == "bf16",
+                "WAIT": dt == "bf16"},
+                stages, ("N", "K", "up_offset"))
+        row_sig = {**ptrs, "N": "i32", "K": "i32", "eps": "fp32", "stride_w": "i32"}
+        for norm, bias, res in ((True, False, False), (True, True, False), (False, False, True)):
+            row_consts = {"HAS_NORM": norm, "HAS_BIAS": bias, "HAS_RES": res, "BLOCK_N": 16,
+                          "BLOCK_K": 2048 // elem * 2, "PDL": dt == "bf16"}
+            compiled = compile_for_hopper(
+                kernels._row_gemv_kernel, row_sig | {c: "constexpr" for c in row_consts},
+                row_consts, num_warps=kernels.ROW_WARPS)
+            if dt == "bf16":  # Llama-3.2-1B's qkv and o: the strip in registers, no spills
+                regs, spilled = hopper_registers(compiled)
+                assert spilled == 0 and regs * 32 * kernels.ROW_WARPS <= 65536, (regs, spilled)
         compile_for_hopper(kernels._rmsnorm_kernel,
               {"x_ptr": f"*{dt}", "nw_ptr": f"*{dt}", "y_ptr": f"*{dt}", "K": "i32",
                "eps": "fp32", "stride_x": "i32", "stride_y": "i32", "BLOCK": "constexpr"},

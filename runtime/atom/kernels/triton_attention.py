@@ -15,20 +15,36 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from atom.kernels.launch import programmatic_launch
+from atom.kernels.triton_norm_gemv import MAX_ROWS
 from atom.layers.rotary import Rope
 
 
 @triton.jit
-def _rope(x, partner, pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
-    """x (element d of a head) rotated to pos, rotate-half layout: partner is element d + HALF
-    (first half) or d - HALF (second half). In fp32, rounded once to x's dtype, as
-    atom.layers.rotary.apply_rotary does."""
+def _rope_row(pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
+    """(cos, sin) of element d of a head at pos."""
     j = d % HALF
     c = tl.load(cos_ptr + pos * HALF + j, mask=mask, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + j, mask=mask, other=0.0)
+    return c, s
+
+
+@triton.jit
+def _rotate(x, partner, c, s, d, HALF: tl.constexpr):
+    """x (element d of a head) rotated by (c, s), rotate-half layout: partner is element
+    d + HALF (first half) or d - HALF (second half). In fp32, rounded once to x's dtype, as
+    atom.layers.rotary.apply_rotary does."""
     xf, pf = x.to(tl.float32), partner.to(tl.float32)
     return tl.where(d < HALF, xf * c - pf * s, xf * c + pf * s).to(x.dtype)
+
+
+@triton.jit
+def _rope(x, partner, pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
+    """x (element d of a head) rotated to pos: _rotate by the table's row."""
+    c, s = _rope_row(pos, d, cos_ptr, sin_ptr, mask, HALF)
+    return _rotate(x, partner, c, s, d, HALF)
 
 
 def _rope_args(rope: Rope | None, fallback: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -140,14 +156,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
                    GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, Q_LEN: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-                   PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr):
+                   PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
+                   PDL: tl.constexpr):
     """One program per (row, kv head, split): see _decode_program."""
+    if PDL:
+        gdc_launch_dependents()  # an o_proj launched early may start as well
     _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
                     k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr, slot_ptr, part_o_ptr,
                     part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, scale, stride_q,
                     stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H,
                     GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
-                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False)
+                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, PDL)
 
 
 @triton.jit
@@ -159,6 +178,37 @@ def _arrive(count_ptr):
 
 
 @triton.jit
+def _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bt, kv_row, d_mask,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             TILE_N: tl.constexpr):
+    """Keys and values [TILE_N, BLOCK_D] of the tile at token t (tokens from t_end on masked),
+    gathered across cache blocks through the block table; and the tile's token mask."""
+    tok = t + tl.arange(0, TILE_N)
+    t_mask = tok < t_end
+    phys = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
+    slot = phys.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
+    kv_off = slot[:, None] * kv_row + kv_head * HEAD_DIM + tl.arange(0, BLOCK_D)[None, :]
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    return k, v, t_mask
+
+
+@triton.jit
+def _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One online-softmax step of q's heads over a key tile: the new (max, sum, output)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     ctx_ptr, bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
                     cos_ptr, sin_ptr, done_ptr, scale, stride_q, stride_k, stride_v, stride_o,
@@ -167,7 +217,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                     Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
                     PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
-                    SIGNAL: tl.constexpr):
+                    SIGNAL: tl.constexpr, PDL: tl.constexpr):
     """The split's tiles of TILE_N keys of one (row, kv head).
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
@@ -207,19 +257,12 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
     if split < tl.maximum(active, 1):
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, TILE_N)
         h_mask = offs_h < GROUP
         d_mask = offs_d < HEAD_DIM
         heads = kv_head * GROUP + offs_h
         q_mask = h_mask[:, None] & d_mask[None, :]
-        q_row = q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM
-        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
-        if ROPE:  # padding rows (no keys) skip the table: their output is zero anyway
-            partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
-                              mask=q_mask, other=0.0)
-            q = _rope(q, partner, pos, offs_d[None, :], cos_ptr, sin_ptr, q_mask & (kv_len > 0),
-                      HEAD_DIM // 2)
         kv_row = NUM_KV_HEADS * HEAD_DIM
+        head_off = kv_head * HEAD_DIM
         cache_len = kv_len
         if STORE:
             # This step's key and value belong to the split holding the row's last key: it
@@ -228,40 +271,46 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
             cache_len = kv_len - 1
             owner = (split == active - 1) & (kv_len > 0)
             new_mask = d_mask & owner
-            head_off = kv_head * HEAD_DIM
+            slot_new = tl.load(slot_ptr + row64, mask=owner, other=-1).to(tl.int64)
+        t_start = split * per_split * TILE_N
+        t_end = tl.minimum(t_start + per_split * TILE_N, cache_len)
+        if ROPE:  # padding rows (no keys) skip the table: their output is zero anyway
+            q_cos, q_sin = _rope_row(pos, offs_d[None, :], cos_ptr, sin_ptr,
+                                     q_mask & (kv_len > 0), HEAD_DIM // 2)
+            if STORE:
+                k_cos, k_sin = _rope_row(pos, offs_d, cos_ptr, sin_ptr, new_mask, HEAD_DIM // 2)
+        # The first key tile is loaded before q: with PDL the launch starts while the kernel
+        # before it (the qkv projection) still runs, and everything up to here comes from
+        # earlier launches; q, k and v only after the wait for that kernel.
+        k0, v0, t0_mask = _kv_tile(t_start, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr,
+                                   bt_ptr, stride_bt, kv_row, d_mask, HEAD_DIM, BLOCK_D,
+                                   BLOCK_SIZE, TILE_N)
+        if PDL:
+            gdc_wait()
+        q_row = q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM
+        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
+        if ROPE:
+            partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                              mask=q_mask, other=0.0)
+            q = _rotate(q, partner, q_cos, q_sin, offs_d[None, :], HEAD_DIM // 2)
+        if STORE:
             k_new = tl.load(k_ptr + row64 * stride_k + head_off + offs_d, mask=new_mask, other=0.0)
             v_new = tl.load(v_ptr + row64 * stride_v + head_off + offs_d, mask=new_mask, other=0.0)
             if ROPE:
                 k_pair = tl.load(k_ptr + row64 * stride_k + head_off
                                  + (offs_d + HEAD_DIM // 2) % HEAD_DIM, mask=new_mask, other=0.0)
-                k_new = _rope(k_new, k_pair, pos, offs_d, cos_ptr, sin_ptr, new_mask,
-                              HEAD_DIM // 2)
+                k_new = _rotate(k_new, k_pair, k_cos, k_sin, offs_d, HEAD_DIM // 2)
             k_new = k_new.to(k_cache_ptr.dtype.element_ty)
             v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-            slot_new = tl.load(slot_ptr + row64, mask=owner, other=-1).to(tl.int64)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        t_start = split * per_split * TILE_N
-        t_end = tl.minimum(t_start + per_split * TILE_N, cache_len)
-        for t in range(t_start, t_end, TILE_N):
-            tok = t + offs_n
-            t_mask = tok < cache_len
-            phys = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
-            slot = phys.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
-            kv_off = slot[:, None] * kv_row + kv_head * HEAD_DIM + offs_d[None, :]
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k0, v0, t0_mask, m_i, l_i, acc, scale, PRECISION)
+        for t in range(t_start + TILE_N, t_end, TILE_N):
+            k, v, t_mask = _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr,
+                                    stride_bt, kv_row, d_mask, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                                    TILE_N)
+            m_i, l_i, acc = _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION)
         if STORE:
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
@@ -344,6 +393,12 @@ _TARGET_PROGRAMS = 512  # bench/decode_attention_sweep.py: more splits cost more
 _MAX_SPLITS = 128
 _DECODE_TILE_N = 64  # keys per loop step: 4 cache blocks of 16
 _COMBINE_CHUNK = 8  # splits' partials read per step of the combine
+# Programmatic dependent launch of the decode attention (sm_90 on) where the caller allows it
+# (overlap=True): the launch starts while the kernel before it (the qkv projection) runs,
+# which releases it as its programs start (the GEMV kernel up to its MAX_ROWS; cuBLAS above
+# that does not), reads the step's metadata and its first key tile, and waits for that
+# kernel only before it reads q, k and v. False: an ordinary launch.
+DECODE_PDL = True
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -414,9 +469,10 @@ class DecodeLaunch(NamedTuple):
 def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                   scale: float, num_heads: int, q_len: int = 1, num_splits: int | None = None,
-                  rope: Rope | None = None, new_kv: StepKV | None = None) -> DecodeLaunch:
+                  rope: Rope | None = None, new_kv: StepKV | None = None,
+                  overlap: bool = False) -> DecodeLaunch:
     """What decode_attention_triton launches; new_kv only with q_len 1 (the kernel's own
-    store)."""
+    store). overlap: see decode_attention_triton."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rows = q.shape[0]
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
@@ -443,11 +499,13 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             part_o, part_ml, counters, *_rope_args(rope, q),
             scale, q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0),
             block_tables.stride(0))
+    pdl = overlap and DECODE_PDL and rows <= MAX_ROWS and programmatic_launch(q.device)
     constants = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, group_p2), GROUP_P2=group_p2,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
         Q_LEN=q_len, NUM_SPLITS=splits, COMBINE_CHUNK=_COMBINE_CHUNK,
-        PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None)
+        PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None,
+        PDL=pdl, launch_pdl=pdl)
     return DecodeLaunch((rows, num_kv_heads, splits), args, constants)
 
 
@@ -455,19 +513,23 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, num_heads: int, q_len: int = 1,
                             num_splits: int | None = None, rope: Rope | None = None,
-                            new_kv: StepKV | None = None) -> None:
+                            new_kv: StepKV | None = None, overlap: bool = False) -> None:
     """One launch per (query row, kv head, split); rows are q_len per sequence, padded rows
     included. The launch depends only on static shapes, so it can be graph-recorded.
 
     rope: q (and new_kv's keys) are unrotated; the kernel rotates them. new_kv: this step's keys
     and values, written into the cache first (by the decode kernel itself when q_len is 1, by
     the KV-store kernel before it otherwise: later rows of a sequence read earlier rows' keys).
+    overlap: the launch may start before the previous kernel on the stream ends (DECODE_PDL);
+    allowed only when that kernel writes none of the cache, the metadata or the rotary tables
+    (the engine's forward: it produced q, k and v).
     """
     if new_kv is not None and q_len > 1:
         store_kv_triton(new_kv.k, new_kv.v, k_cache, v_cache, new_kv.slot_mapping, rope)
         new_kv = None
+        overlap = False  # the store just written is what the launch reads first
     if q.shape[0] == 0:
         return
     launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
-                           num_heads, q_len, num_splits, rope, new_kv)
+                           num_heads, q_len, num_splits, rope, new_kv, overlap)
     _decode_kernel[launch.grid](*launch.args, **launch.constants)

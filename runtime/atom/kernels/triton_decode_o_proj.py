@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
+from atom.kernels.triton_norm_gemv import _row_strip, row_strip_rows
 from atom.layers.rotary import Rope
 
 # Rows the fused launch takes: batch-1 decode. With 2 to 4 rows (a loop over them after the
@@ -54,46 +55,6 @@ def _sync_counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _wait_for(count_ptr, target):
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _o_proj_program(strip, x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, N, K,
-                    stride_w, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
-    """y[strip] = x W[strip]^T (+ bias) (+ residual) for the one row, rounded where linear_add
-    rounds: the projection's output, then the sum."""
-    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    k_mask = offs_k < K
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    w_mask = n_mask[:, None] & k_mask[None, :]
-    if PRELOAD:  # everything that does not depend on the attention output, before the wait
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    _wait_for(done_ptr, target)
-    if not PRELOAD:
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    # Written by other SMs in this launch: read through L2.
-    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg")
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if HAS_BIAS:
-        acc += bias
-    out_ty = y_ptr.dtype.element_ty
-    out = acc.to(out_ty).to(tl.float32)
-    if HAS_RES:
-        out += res
-    tl.store(y_ptr + offs_n, out.to(out_ty), mask=n_mask)
-
-
-@triton.jit
 def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr,
                           bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
                           cos_ptr, sin_ptr, scale, stride_q, stride_k, stride_v, stride_o,
@@ -106,7 +67,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr, PRELOAD: tl.constexpr):
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
     first tickets are the splits that hold keys even for short contexts); the tickets after
     them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
@@ -121,11 +82,13 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                         slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
                         done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
                         NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                        TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True)
+                        TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True,
+                        PDL)
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
-        _o_proj_program(ticket - n_attn, out_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
-                        N, K, stride_w, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K, PRELOAD)
+        _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
+                   N, K, 0.0, stride_w, False, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K, PRELOAD, PDL,
+                   True)
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:
@@ -141,9 +104,11 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                    o_weight: torch.Tensor, o_bias: torch.Tensor | None,
                                    residual: torch.Tensor | None, proj_out: torch.Tensor,
                                    num_splits: int | None = None, rope: Rope | None = None,
-                                   new_kv: StepKV | None = None) -> None:
+                                   new_kv: StepKV | None = None, overlap: bool = False) -> None:
     """decode_attention_triton for one sequence's row into out, then
-    proj_out = out o_weight^T (+ o_bias) (+ residual), in one graph-recordable launch."""
+    proj_out = out o_weight^T (+ o_bias) (+ residual), in one graph-recordable launch.
+    overlap: as for decode_attention_triton (the projection programs read only o_weight before
+    the wait)."""
     rows = q.shape[0]
     assert rows == ROWS, f"{rows} rows: the fused o_proj launch takes {ROWS}"
     n, k = o_weight.shape
@@ -151,9 +116,9 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     assert o_weight.stride(-1) == 1 and proj_out.stride(-1) == 1
     assert residual is None or (residual.shape == (rows, n) and residual.stride(-1) == 1)
     launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
-                           num_heads, 1, num_splits, rope, new_kv)
+                           num_heads, 1, num_splits, rope, new_kv, overlap)
     block_k = triton.next_power_of_2(k)
-    block_n = max(1, min(16, STRIP_BYTES // (block_k * o_weight.element_size())))
+    block_n = max(1, row_strip_rows(k, o_weight.element_size(), STRIP_BYTES))
     n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
     res = residual if residual is not None else proj_out
     _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](

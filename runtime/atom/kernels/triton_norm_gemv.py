@@ -24,8 +24,22 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from atom.kernels.launch import programmatic_launch
 
 MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does it better
+# One row (batch-1 decode) whose projection the kernel before it may overlap (programmatic
+# dependent launch, sm_90 on): each program holds its strip of weight rows, ROW_STRIP_BYTES,
+# in registers, loaded while that kernel still runs, and reads the row only after it ends.
+# Taken where a strip of 16 whole rows fits (the attention's qkv and o projections at hidden
+# 2048 in bf16); bench/RESULTS.md, session 7. False: the tiled kernel below.
+ROW_GEMV = True
+ROW_STRIP_BYTES = 64 * 1024
+ROW_WARPS = 8
+# The tiled kernel is launched early too (waiting at its start) up to this many rows: with one
+# row it gains the launch's start-up; with 8 every projection starting early lost (bench/RESULTS.md).
+TILED_PDL_MAX_ROWS = 1
 
 
 @triton.jit
@@ -106,13 +120,22 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
                       M, N, K, eps, stride_x, stride_w, stride_r, stride_y, up_offset,
                       HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                      RELEASE: tl.constexpr, WAIT: tl.constexpr):
     """SPLIT > 1: each K step is SPLIT slices of BLOCK_K // SPLIT, the batches of a 3-D dot,
     one warp each, accumulated separately and summed after the loop. With one accumulator
     every tensor-core op over the strip's K (K / 16 of them) waits for the one before, and at
     long K that chain, not the weight stream, sets the time (bench/norm_gemv_sweep.py:
     down_proj 13.98 -> 11.59 us). The gated MLP input keeps the 2-D form (SPLIT 1), which
-    measured faster there."""
+    measured faster there.
+
+    RELEASE: a kernel launched after this one with programmatic dependent launch (the decode
+    attention) may start as soon as every program here has started; it waits for this
+    kernel's results itself (griddepcontrol.wait)."""
+    if RELEASE:
+        gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,6 +171,79 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
                       other=0.0)
         out = out.to(out_ty).to(tl.float32) + res.to(tl.float32)
     tl.store(y_ptr + rows_m[:, None] * stride_y + offs_n[None, :], out.to(out_ty), mask=out_mask)
+
+
+@triton.jit
+def _wait_for(count_ptr, target):
+    """Until the count at count_ptr reaches target (acquire: what its arrivals published is
+    visible after)."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, N, K, eps,
+               stride_w, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr,
+               PDL: tl.constexpr, COUNTED: tl.constexpr):
+    """y[strip] = [RMSNorm](x) W[strip]^T (+ bias) (+ residual) for one row x, rounded where
+    the tiled kernel rounds. The parameters (weights, norm weight, bias) are loaded first (with
+    PRELOAD the whole strip, into registers); then, PDL: the wait for the kernel before;
+    COUNTED: the wait for done_ptr's count to reach target (x is written in this launch).
+    Only then x and the residual."""
+    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    if PRELOAD:
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if COUNTED:
+        _wait_for(done_ptr, target)
+    if not PRELOAD:
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    # Another kernel's or another SM's output: read through L2.
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg")
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        x = (xf * nw).to(x.dtype)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if HAS_NORM:
+        acc = acc * rstd
+    if HAS_BIAS:
+        acc += bias
+    out_ty = y_ptr.dtype.element_ty
+    out = acc.to(out_ty).to(tl.float32)
+    if HAS_RES:
+        out += res
+    tl.store(y_ptr + offs_n, out.to(out_ty), mask=n_mask)
+
+
+@triton.jit
+def _row_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, N, K, eps, stride_w,
+                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One program per strip of BLOCK_N weight rows, for one row x (ROW_GEMV)."""
+    if PDL:
+        gdc_launch_dependents()  # the decode attention after it may start as well
+    _row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, N, K,
+               eps, stride_w, HAS_NORM, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K, True, PDL, False)
+
+
+def row_strip_rows(k: int, elem: int, strip_bytes: int) -> int:
+    """Weight rows of K elements a program holds in strip_bytes (at most 16; 0: none fit)."""
+    return min(16, strip_bytes // (triton.next_power_of_2(k) * elem))
 
 
 @triton.jit
@@ -198,9 +294,12 @@ def _config(n: int, k: int, gated: bool, block_m: int,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-         residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         overlap: bool = False) -> torch.Tensor:
     """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= MAX_ROWS;
-    written into out when given."""
+    written into out when given. overlap: the launch may start before the previous kernel on
+    the stream ends and read the parameters meanwhile (ROW_GEMV): allowed only when that kernel
+    writes none of them (a model's forward)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -209,9 +308,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         return y
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert residual is None or residual.stride(-1) == 1
+    if (overlap and ROW_GEMV and m == 1 and not gated
+            and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16
+            and programmatic_launch(x.device)):
+        return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
+                        residual=residual, pdl=True)
+    res = residual if residual is not None else y
     block_m = max(16, triton.next_power_of_2(m))
     block_n, block_k, warps, stages, split = _config(n, k, gated, block_m, x.element_size())
-    res = residual if residual is not None else y
+    wait = overlap and m <= TILED_PDL_MAX_ROWS and programmatic_launch(x.device)
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, res, y,
@@ -219,7 +324,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         HAS_NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        RELEASE=programmatic_launch(x.device), WAIT=wait, launch_pdl=wait, num_warps=warps,
+        num_stages=stages)
+    return y
+
+
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+             *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+             residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """The one-row projection into y by the preloading kernel (ROW_GEMV); pdl: launched early,
+    its parameters read before the kernel before it ends (gemv's overlap)."""
+    n, k = weight.shape
+    rows = max(1, row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES))
+    _row_gemv_kernel[(triton.cdiv(n, rows),)](
+        x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, residual if residual is not None else y, y, n, k,
+        eps, weight.stride(0), HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, BLOCK_N=rows, BLOCK_K=triton.next_power_of_2(k),
+        PDL=pdl, launch_pdl=pdl, num_warps=ROW_WARPS)
     return y
 
 

@@ -45,23 +45,25 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None,
                 rotary: RotaryEmbedding | None = None, o_proj: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, overlap: bool = False) -> torch.Tensor:
         """Attention over q, k, v ([T, heads * head_dim], strided views allowed). With
         positions and rotary, q and k are unrotated: the op rotates them (on CUDA inside the
         KV-store and attention kernels, so rotary costs no launch of its own). With o_proj
         (a Linear), the result is [residual +] o_proj(attention): at decode sizes on CUDA
-        one launch does both."""
+        one launch does both. overlap: the kernel before (the producer of q, k and v) writes
+        neither the cache, the step's metadata nor the parameters: the decode launch may start
+        while it ends (atom.kernels.triton_attention.DECODE_PDL)."""
         output = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
         cos, sin = (rotary.cos_cache, rotary.sin_cache) if rotary is not None else (None, None)
         if o_proj is None:
             torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id,
-                                                          positions, cos, sin)
+                                                          positions, cos, sin, overlap=overlap)
             return output
         proj_out = torch.empty(q.shape[0], o_proj.weight.shape[0], dtype=q.dtype,
                                device=q.device)
         torch.ops.aiter.unified_attention_with_output(q, k, v, output, self.layer_id, positions,
                                                       cos, sin, o_proj.weight, o_proj.bias,
-                                                      residual, proj_out)
+                                                      residual, proj_out, overlap)
         return proj_out
 
 
@@ -84,7 +86,7 @@ FUSED_DECODE_O_PROJ = True
 
 def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             output: torch.Tensor, meta: AttentionMetaData, rope: Rope | None,
-            proj: OutputProjection | None) -> bool:
+            proj: OutputProjection | None, overlap: bool) -> bool:
     """Attention into output; True when proj was written too (the fused decode launch)."""
     if q.is_cuda:
         from atom.kernels import triton_attention as tk
@@ -101,12 +103,12 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             fused.decode_attention_o_proj_triton(
                 q, layer.k_cache, layer.v_cache, output, meta.context_lens, meta.block_tables,
                 layer.scale, layer.num_heads, proj.weight, proj.bias, proj.residual, proj.out,
-                rope=rope, new_kv=new_kv)
+                rope=rope, new_kv=new_kv, overlap=overlap)
             return True
         if decode:
             tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
                                        meta.block_tables, layer.scale, layer.num_heads, rope=rope,
-                                       new_kv=new_kv)
+                                       new_kv=new_kv, overlap=overlap and fused_store)
             return False
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
@@ -150,10 +152,11 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   o_weight: torch.Tensor | None = None,
                                   o_bias: torch.Tensor | None = None,
                                   residual: torch.Tensor | None = None,
-                                  proj_out: torch.Tensor | None = None) -> None:
+                                  proj_out: torch.Tensor | None = None,
+                                  overlap: bool = False) -> None:
     """Store k, v in the layer's cache and attend into output; given positions and the cos/sin
     tables, q and k are rotated to their positions first. Given o_weight and proj_out:
-    proj_out = [residual +] output o_weight^T [+ o_bias]."""
+    proj_out = [residual +] output o_weight^T [+ o_bias]. overlap: see Attention.forward."""
     if (o_weight is None) != (proj_out is None):
         raise ValueError("unified_attention_with_output: o_weight and proj_out go together "
                          f"(o_weight {'given' if o_weight is not None else 'missing'}, "
@@ -174,10 +177,12 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 raise ValueError("unified_attention_with_output: positions given without the "
                                  "rotary cos_cache and sin_cache")
             rope = Rope(positions, cos_cache, sin_cache)
-        if _attend(layer, q, k, v, output, meta, rope, proj):
+        if _attend(layer, q, k, v, output, meta, rope, proj, overlap):
             return
     if proj is not None:
-        project(output, proj.weight, proj.bias, residual=proj.residual, out=proj.out)
+        # The kernel before is this op's own attention: it writes no parameter.
+        project(output, proj.weight, proj.bias, residual=proj.residual, out=proj.out,
+                overlap=True)
 
 
 def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -188,7 +193,8 @@ def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torc
                                        o_weight: torch.Tensor | None = None,
                                        o_bias: torch.Tensor | None = None,
                                        residual: torch.Tensor | None = None,
-                                       proj_out: torch.Tensor | None = None) -> None:
+                                       proj_out: torch.Tensor | None = None,
+                                       overlap: bool = False) -> None:
     return None
 
 

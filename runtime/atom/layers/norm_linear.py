@@ -35,36 +35,40 @@ def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-            out: torch.Tensor | None = None, **fused: object) -> torch.Tensor:
+            out: torch.Tensor | None = None, overlap: bool = False,
+            **fused: object) -> torch.Tensor:
     """The projection with its fused neighbours (reference_projection's keywords), into out
-    when given: the decode kernels on CUDA, the unfused math elsewhere."""
+    when given: the decode kernels on CUDA, the unfused math elsewhere. overlap: the kernel
+    before writes none of the parameters (triton_norm_gemv.gemv)."""
     if x.is_cuda:
         from atom.kernels import triton_norm_gemv as kernels
 
-        run = kernels.gemv if x.shape[0] <= kernels.MAX_ROWS else kernels.rows_path
-        return run(x, weight, bias, out=out, **fused)
+        if x.shape[0] <= kernels.MAX_ROWS:
+            return kernels.gemv(x, weight, bias, out=out, overlap=overlap, **fused)
+        return kernels.rows_path(x, weight, bias, out=out, **fused)
     result = reference_projection(x, weight, bias, **fused)
     return result if out is None else out.copy_(result)
 
 
 def _norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                 bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
-    return project(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+                 bias: torch.Tensor | None, gated: bool, overlap: bool = False) -> torch.Tensor:
+    return project(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated,
+                   overlap=overlap)
 
 
 def _norm_linear_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
-                      ) -> torch.Tensor:
+                      weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+                      overlap: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
 
 
 def _linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor) -> torch.Tensor:
-    return project(x, weight, bias, residual=residual)
+                residual: torch.Tensor, overlap: bool = False) -> torch.Tensor:
+    return project(x, weight, bias, residual=residual, overlap=overlap)
 
 
 def _linear_add_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     residual: torch.Tensor) -> torch.Tensor:
+                     residual: torch.Tensor, overlap: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -75,12 +79,16 @@ direct_register_custom_op("linear_add", _linear_add, fake_impl=_linear_add_fake,
 
 
 def norm_linear(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module,
-                gated: bool = False) -> torch.Tensor:
+                gated: bool = False, overlap: bool = False) -> torch.Tensor:
     """proj(norm(x)); gated: proj is a merged gate/up projection, the result SiLU(gate) * up.
-    norm: an RMSNorm (weight, eps); proj: a Linear (weight, bias)."""
-    return torch.ops.aiter.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias, gated)
+    norm: an RMSNorm (weight, eps); proj: a Linear (weight, bias). overlap: the kernel before
+    writes none of the parameters (a model's forward), so the launch may start early."""
+    return torch.ops.aiter.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias, gated,
+                                       overlap)
 
 
-def linear_add(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor) -> torch.Tensor:
-    """residual + proj(x): the residual stream after an output projection."""
-    return torch.ops.aiter.linear_add(x, proj.weight, proj.bias, residual)
+def linear_add(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor,
+               overlap: bool = False) -> torch.Tensor:
+    """residual + proj(x): the residual stream after an output projection (overlap: as for
+    norm_linear)."""
+    return torch.ops.aiter.linear_add(x, proj.weight, proj.bias, residual, overlap)

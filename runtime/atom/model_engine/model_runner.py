@@ -261,9 +261,10 @@ class ModelRunner:
         """The step's forward context for a with-block, reset afterwards."""
         return forward_context(**self._context_kwargs(meta, context))
 
-    def run_model(self, input_ids: torch.Tensor,
-                  logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states for the step in the forward context, and logits for logits_indices."""
+    def run_model(self, input_ids: torch.Tensor, logits_indices: torch.Tensor | int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states for the step in the forward context, and logits for logits_indices
+        (an int n: the first n rows; None: every row)."""
         forward_context = get_forward_context()
         context = forward_context.context
         positions = context.positions
@@ -278,7 +279,12 @@ class ModelRunner:
         if hidden_states is None:
             hidden_states = self.model(input_ids, positions)
             counters.inc("eager_steps")
-        selected = hidden_states if logits_indices is None else hidden_states[logits_indices]
+        if logits_indices is None:
+            selected = hidden_states
+        elif isinstance(logits_indices, int):
+            selected = hidden_states[:logits_indices]  # a view: no gather kernel
+        else:
+            selected = hidden_states[logits_indices]
         return self.model.compute_logits(selected), hidden_states
 
     def _logits_indices(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
@@ -291,6 +297,13 @@ class ModelRunner:
                 sampled.append(seq)
         return idx, sampled
 
+    def logits_rows(self, idx: list[int]) -> torch.Tensor | int:
+        """run_model's logits_indices for these rows: a count when they are the first rows in
+        order (every decode step: no index copy, no gather), else the indices on the device."""
+        if idx == list(range(len(idx))):
+            return len(idx)
+        return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute_model(self, seqs: list[Sequence], is_prefill: bool
                       ) -> tuple[torch.Tensor, list[Sequence]]:
@@ -300,7 +313,7 @@ class ModelRunner:
             pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, seqs, is_prefill)
         input_ids, _, meta, context = self.prepare_inputs(seqs, is_prefill, pad_rows, pad_seqs)
         idx, sampled = self._logits_indices(seqs)
-        indices = torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
+        indices = self.logits_rows(idx)
         with self.step_context(meta, context):
             logits, _ = self.run_model(input_ids, indices)
         return logits, sampled

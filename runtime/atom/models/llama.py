@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         # strided views: the kernels read rows by stride
         return self.attn(q, k, v, positions, self.rotary_emb, o_proj=self.o_proj,
-                         residual=residual)
+                         residual=residual, overlap=True)
 
 
 class LlamaMLP(nn.Module):
@@ -91,10 +91,13 @@ class LlamaDecoderLayer(nn.Module):
         projection after it, the SiLU gate inside gate_up, and each residual add inside the
         projection before it (atom.layers.norm_linear: one kernel per projection at decode
         sizes on CUDA; o_proj inside the attention op)."""
-        qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj)
+        # overlap: in the forward no kernel writes the parameters, the cache or the step's
+        # metadata, so each launch may start while the one before it ends.
+        qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj, overlap=True)
         hidden = self.self_attn.attend(positions, qkv, hidden)
-        act = norm_linear(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj, gated=True)
-        return linear_add(act, self.mlp.down_proj, hidden)
+        act = norm_linear(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                          gated=True, overlap=True)
+        return linear_add(act, self.mlp.down_proj, hidden, overlap=True)
 
 
 @token_graph
