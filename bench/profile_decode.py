@@ -77,12 +77,14 @@ ALTERNATIVES = {
     # The decode attention as an ordinary launch, not started early beside the qkv projection.
     "no-pdl": ("atom.kernels.triton_attention", "DECODE_PDL", False),
     # One-row projections (qkv) on the tiled GEMV, not the early-launched preloading kernel.
-    "no-row-gemv": ("atom.kernels.triton_norm_gemv", "ROW_GEMV", False),
+    "no-row-gemv": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0),
+    # The preloading kernel for decode batches up to 8 rows (qkv, and o_proj after attention).
+    "row-gemv-8": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 8),
     # Neither of the two above.
     # The tiled projections (gate_up, down) as ordinary launches, not launched early.
     "tiled-pdl-off": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
-                        ("atom.kernels.triton_norm_gemv", "ROW_GEMV", False)],
+                        ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],
 }
 
 

@@ -22,9 +22,11 @@ CASES = {
     "9rows-residual-bias": (9, False, False, True, True),
     "40rows-norm-gated": (40, True, True, False, False),  # rows_path from here on
     "40rows-residual-bias": (40, False, False, True, True),
-    # The one-row preloading kernel (row_gemv), launched as an ordinary launch.
+    # The preloading kernel (row_gemv), launched as an ordinary launch.
     "row-norm-bias": (1, True, False, True, False),
     "row-residual": (1, False, False, False, True),
+    "row-3rows-norm": (3, True, False, False, False),
+    "row-8rows-residual-bias": (8, False, False, True, True),
 }
 K, N = 96, 40
 
@@ -97,10 +99,13 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
                 "PRECISION": "ieee" if dt == "fp32" else "tf32", "RELEASE": dt == "bf16",
                 "WAIT": dt == "bf16"},
                 stages, ("N", "K", "up_offset"))
-        row_sig = {**ptrs, "N": "i32", "K": "i32", "eps": "fp32", "stride_w": "i32"}
-        for norm, bias, res in ((True, False, False), (True, True, False), (False, False, True)):
-            row_consts = {"HAS_NORM": norm, "HAS_BIAS": bias, "HAS_RES": res, "BLOCK_N": 16,
-                          "BLOCK_K": 2048 // elem * 2, "PDL": dt == "bf16"}
+        row_sig = {**ptrs, **ints, "eps": "fp32", "stride_x": "i32", "stride_w": "i32",
+                   "stride_r": "i32", "stride_y": "i32"}
+        for norm, bias, res, rows in ((True, False, False, 1), (True, True, False, 1),
+                                      (False, False, True, 1), (True, False, False, 8),
+                                      (False, False, True, 8)):
+            row_consts = {"HAS_NORM": norm, "HAS_BIAS": bias, "HAS_RES": res, "BLOCK_M": rows,
+                          "BLOCK_N": 16, "BLOCK_K": 2048 // elem * 2, "PDL": dt == "bf16"}
             compiled = compile_for_hopper(
                 kernels._row_gemv_kernel, row_sig | {c: "constexpr" for c in row_consts},
                 row_consts, num_warps=kernels.ROW_WARPS)

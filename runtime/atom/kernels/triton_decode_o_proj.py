@@ -87,8 +87,8 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
         _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
-                   N, K, 0.0, stride_w, False, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K, PRELOAD, PDL,
-                   True)
+                   1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
+                   PRELOAD, PDL, True)
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:

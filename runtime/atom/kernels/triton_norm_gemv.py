@@ -29,12 +29,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from atom.kernels.launch import programmatic_launch
 
 MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does it better
-# One row (batch-1 decode) whose projection the kernel before it may overlap (programmatic
-# dependent launch, sm_90 on): each program holds its strip of weight rows, ROW_STRIP_BYTES,
-# in registers, loaded while that kernel still runs, and reads the row only after it ends.
-# Taken where a strip of 16 whole rows fits (the attention's qkv and o projections at hidden
-# 2048 in bf16); bench/RESULTS.md, session 7. False: the tiled kernel below.
-ROW_GEMV = True
+# Up to this many rows (decode batches) a projection that the kernel before it may overlap
+# (programmatic dependent launch, sm_90 on) runs the preloading kernel: each program holds its
+# strip of weight rows, ROW_STRIP_BYTES, in registers, loaded while that kernel still runs,
+# and reads the rows only after it ends. Taken where a strip of 16 whole rows fits (the
+# attention's qkv and o projections at hidden 2048 in bf16); bench/RESULTS.md, session 7.
+# 0: the tiled kernel below.
+ROW_GEMV_MAX_ROWS = 1
 ROW_STRIP_BYTES = 64 * 1024
 ROW_WARPS = 8
 # The tiled kernel is launched early too (waiting at its start) up to this many rows: with one
@@ -183,17 +184,21 @@ def _wait_for(count_ptr, target):
 
 
 @triton.jit
-def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, N, K, eps,
-               stride_w, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, M, N, K,
+               eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr,
                PDL: tl.constexpr, COUNTED: tl.constexpr):
-    """y[strip] = [RMSNorm](x) W[strip]^T (+ bias) (+ residual) for one row x, rounded where
-    the tiled kernel rounds. The parameters (weights, norm weight, bias) are loaded first (with
-    PRELOAD the whole strip, into registers); then, PDL: the wait for the kernel before;
-    COUNTED: the wait for done_ptr's count to reach target (x is written in this launch).
-    Only then x and the residual."""
+    """y[:M, strip] = [RMSNorm](x) W[strip]^T (+ bias) (+ residual) for M <= BLOCK_M rows x,
+    rounded where the tiled kernel rounds. The parameters (weights, norm weight, bias) are
+    loaded first (with PRELOAD the whole strip, into registers); then, PDL: the wait for the
+    kernel before; COUNTED: the wait for done_ptr's count to reach target (x is written in this
+    launch). Only then x and the residual (before the count's wait: the launch does not write
+    it). The strip is applied to one row at a time: it stays in registers across rows."""
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
     n_mask = offs_n < N
     k_mask = offs_k < K
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
@@ -207,38 +212,45 @@ def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, tar
     if PDL:
         gdc_wait()
     if HAS_RES:
-        res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :],
+                      mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     if COUNTED:
         _wait_for(done_ptr, target)
     if not PRELOAD:
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    # Another kernel's or another SM's output: read through L2.
-    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg")
-    if HAS_NORM:
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-        x = (xf * nw).to(x.dtype)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if HAS_NORM:
-        acc = acc * rstd
-    if HAS_BIAS:
-        acc += bias
     out_ty = y_ptr.dtype.element_ty
-    out = acc.to(out_ty).to(tl.float32)
-    if HAS_RES:
-        out += res
-    tl.store(y_ptr + offs_n, out.to(out_ty), mask=n_mask)
+    for r in tl.static_range(BLOCK_M):
+        if r < M:
+            # Another kernel's or another SM's output: read through L2.
+            x = tl.load(x_ptr + r * stride_x + offs_k, mask=k_mask, other=0.0,
+                        cache_modifier=".cg")
+            if HAS_NORM:
+                xf = x.to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+                x = (xf * nw).to(x.dtype)
+            acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            if HAS_NORM:
+                acc = acc * rstd
+            if HAS_BIAS:
+                acc += bias
+            out = acc.to(out_ty).to(tl.float32)
+            if HAS_RES:
+                out += tl.sum(tl.where(offs_m[:, None] == r, res, 0.0), axis=0)
+            tl.store(y_ptr + r * stride_y + offs_n, out.to(out_ty), mask=n_mask)
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, N, K, eps, stride_w,
-                     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+def _row_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, N, K, eps, stride_x,
+                     stride_w, stride_r, stride_y, HAS_NORM: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One program per strip of BLOCK_N weight rows, for one row x (ROW_GEMV)."""
+    """One program per strip of BLOCK_N weight rows, for up to BLOCK_M rows x
+    (ROW_GEMV_MAX_ROWS)."""
     if PDL:
         gdc_launch_dependents()  # the decode attention after it may start as well
-    _row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, N, K,
-               eps, stride_w, HAS_NORM, HAS_BIAS, HAS_RES, BLOCK_N, BLOCK_K, True, PDL, False)
+    _row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, M, N, K,
+               eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM, HAS_BIAS, HAS_RES,
+               BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False)
 
 
 def row_strip_rows(k: int, elem: int, strip_bytes: int) -> int:
@@ -298,8 +310,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
          overlap: bool = False) -> torch.Tensor:
     """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= MAX_ROWS;
     written into out when given. overlap: the launch may start before the previous kernel on
-    the stream ends and read the parameters meanwhile (ROW_GEMV): allowed only when that kernel
-    writes none of them (a model's forward)."""
+    the stream ends and read the parameters meanwhile (ROW_GEMV_MAX_ROWS): allowed only when
+    that kernel writes none of them (a model's forward)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -308,7 +320,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         return y
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert residual is None or residual.stride(-1) == 1
-    if (overlap and ROW_GEMV and m == 1 and not gated
+    if (overlap and m <= ROW_GEMV_MAX_ROWS and not gated
             and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16
             and programmatic_launch(x.device)):
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
@@ -332,16 +344,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
              *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The one-row projection into y by the preloading kernel (ROW_GEMV); pdl: launched early,
+    """The projection of a few rows into y by the preloading kernel (ROW_GEMV_MAX_ROWS); pdl:
+    launched early,
     its parameters read before the kernel before it ends (gemv's overlap)."""
-    n, k = weight.shape
+    m, (n, k) = x.shape[0], weight.shape
+    assert m <= MAX_ROWS and x.stride(-1) == 1 and y.stride(-1) == 1
     rows = max(1, row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES))
+    res = residual if residual is not None else y
     _row_gemv_kernel[(triton.cdiv(n, rows),)](
         x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, residual if residual is not None else y, y, n, k,
-        eps, weight.stride(0), HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_N=rows, BLOCK_K=triton.next_power_of_2(k),
-        PDL=pdl, launch_pdl=pdl, num_warps=ROW_WARPS)
+        bias if bias is not None else weight, res, y, m, n, k, eps, x.stride(0), weight.stride(0),
+        res.stride(0), y.stride(0), HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=rows,
+        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, launch_pdl=pdl, num_warps=ROW_WARPS)
     return y
 
 
