@@ -131,8 +131,10 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     measured faster there.
 
     RELEASE: a kernel launched after this one with programmatic dependent launch (the decode
-    attention) may start as soon as every program here has started; it waits for this
-    kernel's results itself (griddepcontrol.wait)."""
+    attention, the preloading kernel, a one-row projection) may start as soon as every program
+    here has started; it waits for this kernel's results itself (griddepcontrol.wait).
+    WAIT: this launch is such a kernel (gemv's overlap, up to TILED_PDL_MAX_ROWS rows): it
+    waits for the kernel before it before reading anything."""
     if RELEASE:
         gdc_launch_dependents()
     if WAIT:
@@ -344,12 +346,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
              *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The projection of a few rows into y by the preloading kernel (ROW_GEMV_MAX_ROWS); pdl:
-    launched early,
-    its parameters read before the kernel before it ends (gemv's overlap)."""
+    """The projection of up to MAX_ROWS rows into y by the preloading kernel
+    (ROW_GEMV_MAX_ROWS); pdl: launched early, the parameters read before the kernel before it
+    ends (gemv's overlap)."""
     m, (n, k) = x.shape[0], weight.shape
     assert m <= MAX_ROWS and x.stride(-1) == 1 and y.stride(-1) == 1
-    rows = max(1, row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES))
+    rows = row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES)
+    assert rows > 0, f"a weight row of {k} elements does not fit {ROW_STRIP_BYTES} bytes"
     res = residual if residual is not None else y
     _row_gemv_kernel[(triton.cdiv(n, rows),)](
         x, norm_weight if norm_weight is not None else x, weight,
