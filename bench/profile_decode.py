@@ -80,9 +80,9 @@ ALTERNATIVES = {
     "no-row-gemv": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0),
     # The preloading kernel for decode batches up to 8 rows (qkv, and o_proj after attention).
     "row-gemv-8": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 8),
-    # Neither of the two above.
     # The tiled projections (gate_up, down) as ordinary launches, not launched early.
     "tiled-pdl-off": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
+    # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],
 }
