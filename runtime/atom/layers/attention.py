@@ -185,16 +185,9 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 overlap=True)
 
 
-def unified_attention_with_output_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                       output: torch.Tensor, layer_id: int,
-                                       positions: torch.Tensor | None = None,
-                                       cos_cache: torch.Tensor | None = None,
-                                       sin_cache: torch.Tensor | None = None,
-                                       o_weight: torch.Tensor | None = None,
-                                       o_bias: torch.Tensor | None = None,
-                                       residual: torch.Tensor | None = None,
-                                       proj_out: torch.Tensor | None = None,
-                                       overlap: bool = False) -> None:
+def unified_attention_with_output_fake(*args: object, **kwargs: object) -> None:
+    """Shape propagation: the op returns nothing (it writes output and proj_out in place), so
+    the fake takes the op's arguments whatever they are and does nothing."""
     return None
 
 
