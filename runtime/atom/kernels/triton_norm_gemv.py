@@ -322,15 +322,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         return y
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert residual is None or residual.stride(-1) == 1
-    if (overlap and m <= ROW_GEMV_MAX_ROWS and not gated
-            and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16
-            and programmatic_launch(x.device)):
+    pdl = programmatic_launch(x.device)
+    if (overlap and pdl and m <= ROW_GEMV_MAX_ROWS and not gated
+            and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16):
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
                         residual=residual, pdl=True)
     res = residual if residual is not None else y
     block_m = max(16, triton.next_power_of_2(m))
     block_n, block_k, warps, stages, split = _config(n, k, gated, block_m, x.element_size())
-    wait = overlap and m <= TILED_PDL_MAX_ROWS and programmatic_launch(x.device)
+    wait = overlap and pdl and m <= TILED_PDL_MAX_ROWS
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, res, y,
@@ -338,7 +338,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         HAS_NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        RELEASE=programmatic_launch(x.device), WAIT=wait, launch_pdl=wait, num_warps=warps,
+        RELEASE=pdl, WAIT=wait, launch_pdl=wait, num_warps=warps,
         num_stages=stages)
     return y
 
