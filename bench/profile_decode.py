@@ -82,6 +82,10 @@ ALTERNATIVES = {
     "row-gemv-8": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 8),
     # The tiled projections (gate_up, down) as ordinary launches, not launched early.
     "tiled-pdl-off": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
+    # Above one row, no tiled projection launched early (before session 8) ...
+    "one-wave-off": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 0),
+    # ... or the single-wave ones at up to 8 rows, not 16.
+    "one-wave-8": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 8),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],

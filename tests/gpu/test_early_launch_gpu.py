@@ -144,3 +144,91 @@ def test_early_chain_replays_from_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) 
         ordinary.chain(early=False)
         torch.cuda.synchronize()
         _assert_equal(first, ordinary.snapshot())
+
+
+class MlpChain:
+    """Eight decode rows through o_proj + residual -> gate_up (norm, SiLU gate) -> down_proj +
+    residual -> qkv (norm): the tiled launches the model makes at batch 8, each reading the
+    output of the launch just before it."""
+
+    ROWS = 8
+
+    def __init__(self, seed: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+
+        self.w_o, self.w_gate_up = randn(HIDDEN, Q, scale=Q ** -0.5), randn(2 * FFN, HIDDEN,
+                                                                            scale=HIDDEN ** -0.5)
+        self.w_down, self.w_qkv = randn(HIDDEN, FFN, scale=FFN ** -0.5), randn(Q + 2 * KV, HIDDEN,
+                                                                               scale=HIDDEN ** -0.5)
+        self.norm1, self.norm2 = 1 + randn(HIDDEN, scale=0.1), 1 + randn(HIDDEN, scale=0.1)
+        self.attn, self.res = randn(self.ROWS, Q), randn(self.ROWS, HIDDEN)
+        self.hidden = torch.empty_like(self.res)
+        self.act = torch.empty(self.ROWS, FFN, dtype=torch.bfloat16, device="cuda")
+        self.hidden2 = torch.empty_like(self.res)
+        self.qkv = torch.empty(self.ROWS, Q + 2 * KV, dtype=torch.bfloat16, device="cuda")
+
+    def chain(self, early: bool) -> None:
+        from atom.kernels.triton_norm_gemv import gemv
+
+        gemv(self.attn, self.w_o, None, residual=self.res, out=self.hidden, overlap=early)
+        gemv(self.hidden, self.w_gate_up, None, norm_weight=self.norm1, eps=1e-5, gated=True,
+             out=self.act, overlap=early)
+        gemv(self.act, self.w_down, None, residual=self.hidden, out=self.hidden2, overlap=early)
+        gemv(self.hidden2, self.w_qkv, None, norm_weight=self.norm2, eps=1e-5, out=self.qkv,
+             overlap=early)
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [t.clone() for t in (self.hidden, self.act, self.hidden2, self.qkv)]
+
+
+def _spy_tiled(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each tiled launch was made early."""
+    from atom.kernels import triton_norm_gemv as gemvs
+
+    seen: list[bool] = []
+    plan = gemvs.tiled_plan
+
+    def spy(*args: object) -> gemvs.TiledPlan:
+        made = plan(*args)
+        seen.append(made.early)
+        return made
+
+    monkeypatch.setattr(gemvs, "tiled_plan", spy)
+    return seen
+
+
+def test_eight_row_early_tiled_chain_equals_ordinary_launches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Early (single-wave, spread) launches at 8 rows give the ordinary launches' bits, eagerly
+    and replayed from a CUDA graph after copies that rewrite the first input."""
+    _early_launch_available()
+    from atom.kernels.launch import sm_resources
+
+    if sm_resources(torch.device("cuda"))[0] < 128:
+        pytest.skip("o_proj's 128 programs are one wave only on a GPU of 128 SMs or more")
+    seen = _spy_tiled(monkeypatch)
+    early, ordinary = MlpChain(3), MlpChain(3)
+    early.chain(early=True)
+    ordinary.chain(early=False)
+    torch.cuda.synchronize()
+    assert seen == [True] * 4 + [False] * 4
+    names = ("o_proj + residual", "gate_up", "down_proj + residual", "qkv")
+    for name, a, b in zip(names, early.outputs(), ordinary.outputs(), strict=True):
+        assert torch.equal(a, b), f"{name} differs with early launches"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        early.chain(early=True)
+    for seed in (4, 5):
+        fresh = MlpChain(seed)
+        early.attn.copy_(fresh.attn)
+        early.res.copy_(fresh.res)
+        ordinary.attn.copy_(fresh.attn)
+        ordinary.res.copy_(fresh.res)
+        graph.replay()
+        ordinary.chain(early=False)
+        torch.cuda.synchronize()
+        for name, a, b in zip(names, early.outputs(), ordinary.outputs(), strict=True):
+            assert torch.equal(a, b), f"{name} differs on replay (seed {seed})"

@@ -29,6 +29,7 @@ CASES = {
     "row-8rows-residual-bias": (8, False, False, True, True),
 }
 K, N = 96, 40
+H200 = (132, 233472)  # SMs, shared memory per SM
 
 
 def _run_case(name: str) -> None:
@@ -86,19 +87,22 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
                  "SPLIT", "PRECISION", "RELEASE", "WAIT")
         elem = 4 if dt == "fp32" else 2
         sig = {**ptrs, **ints, "eps": "fp32", **ints_after, **{f: "constexpr" for f in flags}}
-        # (n, k, norm, gated, bias, residual): the model's four projections, and more;
-        # both the split-K and the single-accumulator forms.
+        # (n, k, norm, gated, bias, residual): the model's four projections, and more; every
+        # plan gemv makes for them on an H200 at 1 and 8 rows, early or not.
         for n, k, norm, gated, bias, res in [
                 (3072, 2048, True, False, False, False), (3072, 2048, True, False, True, False),
                 (2048, 2048, False, False, False, True), (8192, 2048, True, True, False, False),
                 (8192, 2048, True, True, True, False), (2048, 8192, False, False, True, True)]:
-            block_n, block_k, _, stages, split = kernels._config(n, k, gated, 16, elem)
-            compile_for_hopper(kernels._norm_gemv_kernel, sig, {
-                "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
-                "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
-                "PRECISION": "ieee" if dt == "fp32" else "tf32", "RELEASE": dt == "bf16",
-                "WAIT": dt == "bf16"},
-                stages, ("N", "K", "up_offset"))
+            for rows, overlap in ((1, False), (1, True), (8, True)):
+                plan = kernels.tiled_plan(rows, n, k, gated, elem, overlap, *H200)
+                compiled = compile_for_hopper(kernels._norm_gemv_kernel, sig, {
+                    "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
+                    "BLOCK_M": 16, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k,
+                    "SPLIT": plan.split, "PRECISION": "ieee" if dt == "fp32" else "tf32",
+                    "RELEASE": dt == "bf16", "WAIT": plan.early},
+                    plan.stages, ("N", "K", "up_offset"), plan.warps)
+                if plan.early and plan.programs <= H200[0]:  # spread: one program per SM
+                    assert compiled.metadata.shared > H200[1] // 2, (n, k, rows, plan)
         row_sig = {**ptrs, **ints, "eps": "fp32", "stride_x": "i32", "stride_w": "i32",
                    "stride_r": "i32", "stride_y": "i32"}
         for norm, bias, res, rows in ((True, False, False, 1), (True, True, False, 1),
@@ -124,3 +128,36 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
 if __name__ == "__main__":
     _run_case(sys.argv[1])
     print(f"ok {sys.argv[1]}")
+
+
+def test_tiled_plan_launches_early_as_measured_on_the_h200() -> None:
+    """One row: every projection early (gate_up in 256 strips of 32, about two per SM). Eight
+    and sixteen rows: only single-wave launches (gate_up in 128 strips of 64), each over half
+    an SM's shared memory. No overlap: ordinary launches in the default strips."""
+    pytest.importorskip("triton")
+    from atom.kernels.triton_norm_gemv import MAX_ROWS, ONE_WAVE_PDL_MAX_ROWS, tiled_plan
+
+    assert ONE_WAVE_PDL_MAX_ROWS == MAX_ROWS == 16
+    shapes = {"qkv": (3072, 2048, False), "o": (2048, 2048, False),
+              "gate_up": (8192, 2048, True), "down": (2048, 8192, False)}
+
+    def plans(rows: int, overlap: bool = True, sms: int = H200[0]) -> dict[str, object]:
+        return {name: tiled_plan(rows, n, k, gated, 2, overlap, sms, H200[1])
+                for name, (n, k, gated) in shapes.items()}
+
+    one = plans(1)
+    assert all(p.early for p in one.values())
+    assert (one["gate_up"].programs, one["gate_up"].block_n) == (256, 32)
+    for rows in (2, 8, 16):
+        many = plans(rows)
+        assert all(p.early for p in many.values()), rows
+        assert (many["gate_up"].programs, many["gate_up"].block_n) == (128, 64)
+        for name, plan in many.items():
+            n, k, gated = shapes[name]
+            stage = (16 + plan.block_n * (2 if gated else 1)) * plan.block_k * 2
+            assert (plan.stages - 1) * stage > H200[1] // 2, (name, rows)
+    ordinary = plans(8, overlap=False)
+    assert not any(p.early for p in ordinary.values())
+    assert ordinary["gate_up"].block_n == 32 and ordinary["o"].stages == 6
+    # A device of 64 SMs: o_proj's 128 programs are two waves, so it is not launched early.
+    assert not plans(8, sms=64)["o"].early and plans(1, sms=64)["o"].early

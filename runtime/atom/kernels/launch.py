@@ -15,3 +15,14 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def programmatic_launch(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): CUDA devices of sm_90 and later."""
     return device.type == "cuda" and _capability(device) >= (9, 0)
+
+
+@functools.cache
+def _resources(device: torch.device) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_multiprocessor
+
+
+def sm_resources(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared-memory bytes per SM) of a CUDA device."""
+    return _resources(device)

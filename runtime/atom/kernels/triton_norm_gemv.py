@@ -20,13 +20,15 @@ kernel, cuBLAS, a SiLU-gate kernel and the add instead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from atom.kernels.launch import programmatic_launch
+from atom.kernels.launch import programmatic_launch, sm_resources
 
 MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does it better
 # Up to this many rows (decode batches) a projection that the kernel before it may overlap
@@ -38,9 +40,15 @@ MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does
 ROW_GEMV_MAX_ROWS = 1
 ROW_STRIP_BYTES = 64 * 1024
 ROW_WARPS = 8
-# The tiled kernel is launched early too (waiting at its start) up to this many rows: with one
-# row it gains the launch's start-up; with 8 every projection starting early lost (bench/RESULTS.md).
+# The tiled kernel is launched early too (waiting at its start): every projection up to
+# TILED_PDL_MAX_ROWS rows (one row: gate_up and down gain the launch's start-up); up to
+# ONE_WAVE_PDL_MAX_ROWS rows only a launch of at most one program per SM (gate_up then in
+# strips of 64 rows, 128 programs at FFN 8192), its programs spread one per SM by taking more
+# than half an SM's shared memory. An early launch's programs are placed while the kernel
+# before it still runs: a 2-per-SM kernel placed then packs onto half the SMs, and a launch of
+# several waves loses its start-up gain (bench/RESULTS.md, session 8).
 TILED_PDL_MAX_ROWS = 1
+ONE_WAVE_PDL_MAX_ROWS = MAX_ROWS
 
 
 @triton.jit
@@ -133,8 +141,8 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     RELEASE: a kernel launched after this one with programmatic dependent launch (the decode
     attention, the preloading kernel, a one-row projection) may start as soon as every program
     here has started; it waits for this kernel's results itself (griddepcontrol.wait).
-    WAIT: this launch is such a kernel (gemv's overlap, up to TILED_PDL_MAX_ROWS rows): it
-    waits for the kernel before it before reading anything."""
+    WAIT: this launch is such a kernel (tiled_plan's early): it waits for the kernel before
+    it before reading anything. (Releasing only after that wait measured slower.)"""
     if RELEASE:
         gdc_launch_dependents()
     if WAIT:
@@ -288,14 +296,27 @@ def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr)
 SMEM_BUDGET = 200 * 1024  # of an H100/H200 SM's 227 KiB: the pipelined tiles, with room
 
 
-def _config(n: int, k: int, gated: bool, block_m: int,
-            elem: int) -> tuple[int, int, int, int, int]:
+class TiledPlan(NamedTuple):
+    """How gemv launches the tiled kernel: programs of BLOCK_N weight rows, the K step, warps,
+    pipeline stages, K slices, and whether the launch starts early (waiting at its start)."""
+
+    programs: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    split: int
+    early: bool
+
+
+def _config(n: int, k: int, gated: bool, block_m: int, elem: int, min_smem: int = 0,
+            wide: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages, SPLIT), from bench/norm_gemv_sweep.py on an H200:
-    strips of 16-32 weight rows (twice that when gated) keep every SM streaming on the
-    Llama-3.2-1B shapes; one K slice per warp except for the gated input; the pipeline depth
-    is what fits the shared-memory budget."""
+    strips of 16-32 weight rows (twice that when gated; wide: 64) keep every SM streaming on
+    the Llama-3.2-1B shapes; one K slice per warp except for the gated input; the pipeline
+    depth is what fits the shared-memory budget, and at least min_smem bytes where that fits."""
     if gated:
-        block_n, block_k, stages, split = 32, 64, 6, 1
+        block_n, block_k, stages, split = (64, 64, 4, 1) if wide else (32, 64, 6, 1)
     elif n <= 2048 and k >= 4096:  # down_proj: long K, 1 KB of each row per step
         block_n, block_k, stages, split = 16, 1024, 3, 4
     elif n <= 2048:
@@ -303,7 +324,26 @@ def _config(n: int, k: int, gated: bool, block_m: int,
     else:
         block_n, block_k, stages, split = 32, 256, 4, 4
     stage_bytes = (block_m + block_n * (2 if gated else 1)) * block_k * elem
+    if min_smem:  # one buffer more than the bytes: the pipeline holds stages - 1 in flight
+        stages = max(stages, -(-min_smem // stage_bytes) + 1)
     return block_n, block_k, 4, max(1, min(stages, SMEM_BUDGET // stage_bytes)), split
+
+
+def tiled_plan(m: int, n: int, k: int, gated: bool, elem: int, overlap: bool, sms: int,
+               smem_per_sm: int) -> TiledPlan:
+    """The tiled launch for m rows of an n x k projection (n: gate_up's half when gated) in
+    elem-byte values. overlap: the launch may start early (the caller allows it and the device
+    can); sms, smem_per_sm: the device's (launch.sm_resources)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    one_wave_rows = TILED_PDL_MAX_ROWS < m <= ONE_WAVE_PDL_MAX_ROWS
+    wide = gated and overlap and one_wave_rows
+    config = _config(n, k, gated, block_m, elem, wide=wide)
+    programs = triton.cdiv(n, config[0])
+    one_wave = programs <= sms
+    early = overlap and (m <= TILED_PDL_MAX_ROWS or (one_wave_rows and one_wave))
+    if early and one_wave:
+        config = _config(n, k, gated, block_m, elem, smem_per_sm // 2 + 1, wide)
+    return TiledPlan(programs, *config, early)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -328,18 +368,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
                         residual=residual, pdl=True)
     res = residual if residual is not None else y
-    block_m = max(16, triton.next_power_of_2(m))
-    block_n, block_k, warps, stages, split = _config(n, k, gated, block_m, x.element_size())
-    wait = overlap and pdl and m <= TILED_PDL_MAX_ROWS
-    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+    sms, smem = sm_resources(x.device) if pdl else (0, 0)
+    plan = tiled_plan(m, n, k, gated, x.element_size(), overlap and pdl, sms, smem)
+    _norm_gemv_kernel[(plan.programs,)](
         x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, res, y,
         m, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), y.stride(0), n,
         HAS_NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        RELEASE=pdl, WAIT=wait, launch_pdl=wait, num_warps=warps,
-        num_stages=stages)
+        HAS_RES=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=plan.split,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", RELEASE=pdl, WAIT=plan.early,
+        launch_pdl=plan.early, num_warps=plan.warps, num_stages=plan.stages)
     return y
 
 
