@@ -3,8 +3,9 @@
 For each batch: builds the level-3 engine once (bench/decode_bench.py helpers), records FULL
 graphs, then profiles --iters replays of run_model with torch.profiler and reports per kernel
 name: calls per step, microseconds per step, share of the step; the sum of kernel time per step
-against the wall time (the difference is GPU idle: launch gaps, host work). Each projection's
-cuBLAS GEMM on its own: bench/gemv_sweep.py.
+against the wall time (the difference is GPU idle: launch gaps, host work); and, since early
+launches overlap, what each kernel adds to the end of the step (bench/step_timeline.py).
+Each projection's cuBLAS GEMM on its own: bench/gemv_sweep.py.
 
     python bench/profile_decode.py --out profile.json [--batches 1 8 64] [--compare ALT ...]
 """
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
+import step_timeline as st  # noqa: E402
 
 
 def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
@@ -46,18 +48,29 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
                 runner.run_model(input_ids, idx)
             db._sync()
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    timeline = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             rec = per[ev.name[:90]]
             rec[0] += 1
             rec[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time
+            timeline.append(st.Kernel(ev.name[:90], ev.time_range.start, ev.time_range.end))
     total = sum(v[1] for v in per.values()) / iters
     rows = sorted(((k, v[0] / iters, v[1] / iters) for k, v in per.items()),
                   key=lambda r: -r[2])
+    try:
+        span, charged = st.charged_by_label(timeline, len(timeline) // iters,
+                                            engine.runner.model.config.num_hidden_layers)
+    except ValueError as e:  # replays of unequal launch counts: no per-step timeline
+        print(f"  no step timeline: {e}")
+        span, charged = 0.0, []
     return {"wall_us": round(wall_us, 1), "kernel_us": round(total, 1),
             "kernels_per_step": round(sum(r[1] for r in rows), 1),
             "kernels": [{"name": k, "calls": round(c, 2), "us": round(u, 2),
-                         "share": round(u / total, 4) if total else 0} for k, c, u in rows]}
+                         "share": round(u / total, 4) if total else 0} for k, c, u in rows],
+            # What each kernel adds to the step's end (bench/step_timeline.py), medians.
+            "span_us": round(span, 1),
+            "charged": [{"label": k, "us": round(u, 2)} for k, u in charged]}
 
 
 # Alternatives to the engine's defaults, recorded beside them in one run (--compare):
@@ -80,8 +93,9 @@ ALTERNATIVES = {
     "no-row-gemv": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0),
     # The preloading kernel for decode batches up to 8 rows (qkv, and o_proj after attention).
     "row-gemv-8": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 8),
-    # The tiled projections (gate_up, down) as ordinary launches, not launched early.
-    "tiled-pdl-off": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
+    # At one row, only the single-wave tiled projections launched early (gate_up in strips of
+    # 64, spread one per SM), not every one.
+    "one-wave-at-one-row": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
     # Above one row, no tiled projection launched early (before session 8) ...
     "one-wave-off": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 0),
     # ... or the single-wave ones at up to 8 rows, not 16.
@@ -147,6 +161,9 @@ def main() -> None:
             for r in t["kernels"][:25]:
                 print(f"  {r['us']:8.2f} us {100 * r['share']:5.1f}%  x{r['calls']:<5} "
                       f"{r['name']}")
+            print(f"  charged to each kernel (GPU span {t['span_us']} us/step):")
+            for r in t["charged"]:
+                print(f"  {r['us']:8.2f} us  {r['label']}")
         engine.runner.graph_runner = None
         db.drain(engine)
         with open(args.out, "w") as f:
