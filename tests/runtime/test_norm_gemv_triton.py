@@ -125,11 +125,6 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
                "stride_y": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
 
 
-if __name__ == "__main__":
-    _run_case(sys.argv[1])
-    print(f"ok {sys.argv[1]}")
-
-
 def test_tiled_plan_launches_early_as_measured_on_the_h200() -> None:
     """One row: every projection early (gate_up in 256 strips of 32, about two per SM). Eight
     and sixteen rows: only single-wave launches (gate_up in 128 strips of 64), each over half
@@ -159,5 +154,13 @@ def test_tiled_plan_launches_early_as_measured_on_the_h200() -> None:
     ordinary = plans(8, overlap=False)
     assert not any(p.early for p in ordinary.values())
     assert ordinary["gate_up"].block_n == 32 and ordinary["o"].stages == 6
-    # A device of 64 SMs: o_proj's 128 programs are two waves, so it is not launched early.
-    assert not plans(8, sms=64)["o"].early and plans(1, sms=64)["o"].early
+    # A device of 64 SMs: o_proj's 128 programs are two waves, so it is not launched early,
+    # nor is gate_up, which keeps its default strips.
+    small = plans(8, sms=64)
+    assert not small["o"].early and plans(1, sms=64)["o"].early
+    assert not small["gate_up"].early and small["gate_up"].block_n == 32
+
+
+if __name__ == "__main__":
+    _run_case(sys.argv[1])
+    print(f"ok {sys.argv[1]}")

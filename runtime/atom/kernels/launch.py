@@ -18,11 +18,7 @@ def programmatic_launch(device: torch.device) -> bool:
 
 
 @functools.cache
-def _resources(device: torch.device) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count, props.shared_memory_per_multiprocessor
-
-
 def sm_resources(device: torch.device) -> tuple[int, int]:
     """(SMs, shared-memory bytes per SM) of a CUDA device."""
-    return _resources(device)
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_multiprocessor

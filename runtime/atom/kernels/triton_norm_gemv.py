@@ -336,7 +336,9 @@ def tiled_plan(m: int, n: int, k: int, gated: bool, elem: int, overlap: bool, sm
     can); sms, smem_per_sm: the device's (launch.sm_resources)."""
     block_m = max(16, triton.next_power_of_2(m))
     one_wave_rows = TILED_PDL_MAX_ROWS < m <= ONE_WAVE_PDL_MAX_ROWS
-    wide = gated and overlap and one_wave_rows
+    # gate_up in wide strips only where that makes it one wave (and so early).
+    wide = (gated and overlap and one_wave_rows
+            and triton.cdiv(n, _config(n, k, gated, block_m, elem, wide=True)[0]) <= sms)
     config = _config(n, k, gated, block_m, elem, wide=wide)
     programs = triton.cdiv(n, config[0])
     one_wave = programs <= sms
