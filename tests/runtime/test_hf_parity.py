@@ -191,7 +191,8 @@ def test_gpu_bf16_greedy_matches_transformers(checkpoint) -> None:
         with torch.no_grad():
             ref = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
         ours = _prompt_logits(engine, prompt)
-        torch.testing.assert_close(ours, ref, rtol=3e-2, atol=3e-2)
+        assert ours.dtype == torch.bfloat16  # the model's dtype, as transformers returns them
+        torch.testing.assert_close(ours.float(), ref, rtol=3e-2, atol=3e-2)
     n_new = 8
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs, strict=True):

@@ -106,3 +106,18 @@ def test_invalid_params_name_the_field(bad: dict) -> None:
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad).validate()
+
+
+def test_bf16_logits_sample_as_their_fp32_widening() -> None:
+    """Logits come in the model's dtype: greedy takes their argmax as is, sampled rows and
+    logprobs widen them to fp32 first, so each result equals that of the fp32 copy."""
+    logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    params = [SamplingParams(temperature=0.0, logprobs=True)] * 3 + [
+        SamplingParams(temperature=0.8, top_k=20, seed=s, logprobs=True) for s in range(3)]
+    sampler = Sampler()
+    tokens, lps = sampler(logits, _seqs(*params, sampler=sampler))
+    wide = Sampler()
+    wide_tokens, wide_lps = wide(logits.float(), _seqs(*params, sampler=wide))
+    assert tokens == wide_tokens
+    assert tokens[:3] == logits.float()[:3].argmax(-1).tolist()
+    assert lps == wide_lps and all(isinstance(v, float) for v in lps)

@@ -1,6 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token logprob.
 
-Greedy rows take the argmax of the raw logits. Sampled rows use the exponential-race trick
+Greedy rows take the argmax of the raw logits, in the model's dtype (widening to fp32 is exact
+and keeps the order, so the token is the same without the copy). Sampled rows use the exponential-race trick
 (argmax of p / Exp(1) noise is a draw from p); a request with a seed draws its noise from its
 own torch.Generator, so its tokens do not depend on what else is in the batch.
 Logprobs are of the model's raw distribution (before temperature / top-k / top-p).
@@ -43,14 +44,14 @@ class Sampler:
         n = len(seqs)
         if n == 0:
             return [], []
-        logits = logits[:n].float()
+        logits = logits[:n]
         params = [s.params for s in seqs]
         greedy_tok = logits.argmax(dim=-1)
         tokens = greedy_tok
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
-            sub = logits[rows]
+            sub = logits[rows].float()
             temp = torch.tensor([params[i].temperature for i in sample_rows], device=logits.device)
             sub = sub / temp[:, None]
             if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in sample_rows):
@@ -70,5 +71,6 @@ class Sampler:
         token_list = tokens.tolist()
         if not any(want_lp):
             return token_list, [None] * n
-        lp = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        lp = (logits.log_softmax(dim=-1, dtype=torch.float32)
+              .gather(-1, tokens[:, None]).squeeze(-1).tolist())
         return token_list, [v if w else None for v, w in zip(lp, want_lp, strict=True)]

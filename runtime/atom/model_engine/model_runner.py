@@ -307,7 +307,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, seqs: list[Sequence], is_prefill: bool
                       ) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one scheduled step; returns logits [n, vocab] (fp32) for the n sequences to sample."""
+        """Run one scheduled step; returns logits [n, vocab] (the model's dtype) for the n
+        sequences to sample."""
         pad_rows = pad_seqs = None
         if self.graph_runner is not None and not self.enforce_eager:
             pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, seqs, is_prefill)
