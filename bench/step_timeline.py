@@ -35,11 +35,10 @@ def steps(kernels: Sequence[Kernel], per_step: int) -> list[list[Kernel]]:
 
 def charges(step: Sequence[Kernel]) -> list[float]:
     """Each kernel's push of the step's end (microseconds), in the step's order."""
-    out, latest = [], None
+    out, latest = [], step[0].start_us if step else 0.0
     for k in step:
-        base = k.start_us if latest is None else latest
-        out.append(max(0.0, k.end_us - base))
-        latest = k.end_us if latest is None else max(latest, k.end_us)
+        out.append(max(0.0, k.end_us - latest))
+        latest = max(latest, k.end_us)
     return out
 
 

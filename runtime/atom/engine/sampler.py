@@ -1,9 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token logprob.
 
 Greedy rows take the argmax of the raw logits, in the model's dtype (widening to fp32 is exact
-and keeps the order, so the token is the same without the copy). Sampled rows use the exponential-race trick
-(argmax of p / Exp(1) noise is a draw from p); a request with a seed draws its noise from its
-own torch.Generator, so its tokens do not depend on what else is in the batch.
+and keeps the order, so the token is the same without the copy). Sampled rows, widened to fp32,
+use the exponential-race trick (argmax of p / Exp(1) noise is a draw from p); a request with a
+seed draws its noise from its own torch.Generator, so its tokens do not depend on what else is
+in the batch.
 Logprobs are of the model's raw distribution (before temperature / top-k / top-p).
 """
 

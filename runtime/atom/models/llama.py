@@ -140,8 +140,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype, as transformers computes them; the sampler widens only
-        what it samples (a greedy step needs no fp32 copy of the vocabulary)."""
+        """Logits in the model's dtype; the sampler widens only what it samples (a greedy step
+        needs no fp32 copy of the vocabulary)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden_states, weight)
 
