@@ -100,6 +100,13 @@ ALTERNATIVES = {
     "one-wave-off": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 0),
     # ... or the single-wave ones at up to 8 rows, not 16.
     "one-wave-8": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 8),
+    # Decode attention split for 64 or 128 programs in all rather than 512: at one row, 8 or
+    # 16 splits per kv head instead of up to 64 (fewer idle split programs in the launch) ...
+    "decode-programs-64": ("atom.kernels.triton_attention", "_TARGET_PROGRAMS", 64),
+    "decode-programs-128": ("atom.kernels.triton_attention", "_TARGET_PROGRAMS", 128),
+    # ... or at most 1 or 4 splits per row (no combine, or a combine of 4 partials).
+    "decode-splits-1": ("atom.kernels.triton_attention", "_MAX_SPLITS", 1),
+    "decode-splits-4": ("atom.kernels.triton_attention", "_MAX_SPLITS", 4),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],
