@@ -1,7 +1,8 @@
 """ModelRunner: turns a scheduled batch into model inputs, runs the model, returns logits.
 
 Every step copies its inputs and attention metadata into slices of persistent device
-buffers (`forward_vars`), so the addresses a CUDA graph recorded stay valid at replay.
+buffers (`forward_vars`), so the addresses a CUDA graph recorded stay valid at replay; it
+writes them through persistent host mirrors (atom.model_engine.host_staging).
 Graph recording and replay belong to `self.graph_runner` (the CUDA-graph engine); with
 none installed every step runs eagerly.
 """
@@ -17,6 +18,7 @@ import torch
 
 from atom.config import CompilationLevel
 from atom.engine.sequence import Sequence
+from atom.model_engine.host_staging import HostStaging
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
 from atom.utils.compile_prefetch import CompilePrefetch
@@ -80,24 +82,27 @@ class ModelRunner:
 
         self.max_num_seqs = max([int(config.max_num_seqs)] + self.capture_sizes)
         self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs)
-        self.forward_vars = self._allocate_forward_vars()
+        self.staging = self._input_staging()
+        self.forward_vars = {**self.staging.buffers,
+                             "outputs": torch.zeros(self.max_num_rows, self.hf_config.hidden_size,
+                                                    dtype=self.dtype, device=self.device)}
         self.num_kv_blocks = 0
         self.dummy_block = -1  # reserved block that dummy/capture batches write into
 
     # ---- buffers -------------------------------------------------------------------------
-    def _allocate_forward_vars(self) -> dict[str, torch.Tensor]:
-        i32 = dict(dtype=torch.int32, device=self.device)
+    def _input_staging(self) -> HostStaging:
+        """The step's input buffers (forward_vars, less the outputs) and their host mirrors."""
         rows, seqs = self.max_num_rows, self.max_num_seqs
-        return {
-            "input_ids": torch.zeros(rows, dtype=torch.long, device=self.device),
-            "positions": torch.zeros(rows, dtype=torch.long, device=self.device),
-            "slot_mapping": torch.full((rows,), -1, dtype=torch.long, device=self.device),
-            "context_lens": torch.zeros(seqs, **i32),
-            "block_tables": torch.zeros(seqs, self.max_blocks_per_seq, **i32),
-            "cu_seqlens_q": torch.zeros(seqs + 1, **i32),
-            "cu_seqlens_k": torch.zeros(seqs + 1, **i32),
-            "outputs": torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device),
-        }
+        i64, i32 = torch.long, torch.int32
+        return HostStaging({
+            "input_ids": (i64, (rows,), 0),
+            "positions": (i64, (rows,), 0),
+            "slot_mapping": (i64, (rows,), -1),
+            "context_lens": (i32, (seqs,), 0),
+            "cu_seqlens_q": (i32, (seqs + 1,), 0),
+            "cu_seqlens_k": (i32, (seqs + 1,), 0),
+            "block_tables": (i32, (seqs, self.max_blocks_per_seq), 0),
+        }, self.device)
 
     def kv_block_bytes(self) -> int:
         cfg = self.hf_config
@@ -145,14 +150,6 @@ class ModelRunner:
         self.dummy_block = num_blocks
 
     # ---- inputs --------------------------------------------------------------------------
-    def _to_device(self, name: str, values: list, n: int | None = None) -> torch.Tensor:
-        buf = self.forward_vars[name]
-        n = len(values) if n is None else n
-        if n:
-            host = torch.tensor(values, dtype=buf.dtype, pin_memory=self.device.type == "cuda")
-            buf[:n].copy_(host, non_blocking=True)
-        return buf[:n]
-
     def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
                q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
                num_seqs: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
@@ -165,20 +162,19 @@ class ModelRunner:
         for q, c in zip(q_lens, ctx_lens, strict=True):
             cu_q.append(cu_q[-1] + q)
             cu_k.append(cu_k[-1] + c)
-        input_ids = self._to_device("input_ids", rows_ids)
-        positions = self._to_device("positions", rows_pos)
-        slot_mapping = self._to_device("slot_mapping", rows_slot)
-        context_lens = self._to_device("context_lens", ctx_lens)
-        cu_seqlens_q = self._to_device("cu_seqlens_q", cu_q)
-        cu_seqlens_k = self._to_device("cu_seqlens_k", cu_k)
-        width = max((len(t) for t in tables), default=0)
+        staging = self.staging
+        staging.begin()
+        input_ids = staging.put("input_ids", rows_ids)
+        positions = staging.put("positions", rows_pos)
+        slot_mapping = staging.put("slot_mapping", rows_slot)
+        context_lens = staging.put("context_lens", ctx_lens)
+        cu_seqlens_q = staging.put("cu_seqlens_q", cu_q)
+        cu_seqlens_k = staging.put("cu_seqlens_k", cu_k)
+        # Only the real rows' own blocks are written: kernels never read past a context's
+        # blocks, and padded sequences (context 0) read none.
+        staging.put_rows("block_tables", tables)
+        staging.flush()
         bt = self.forward_vars["block_tables"]
-        if width:
-            # Only the real rows' used columns are refreshed: kernels never read past a
-            # context's blocks, and padded sequences (context 0) read none.
-            host = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                pin_memory=self.device.type == "cuda")
-            bt[: len(tables), :width].copy_(host, non_blocking=True)
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),

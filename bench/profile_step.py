@@ -1,0 +1,127 @@
+"""Where a whole engine step's time goes on the host (issue 5): LLMEngine.step() in phases.
+
+bench/decode_bench.py reports the step beside the forward: the difference is host work that
+the GPU waits for. Here each phase of --steps decode steps is timed on the host: scheduling,
+input preparation (host lists to the device buffers), the forward's launch (a graph replay),
+the wait for the GPU (a synchronisation added before sampling, so the sampler's own time is
+apart), sampling, and the rest of the step (appending tokens, stop checks, outputs).
+
+    python bench/profile_step.py --out step.json [--batches 1 8 64] [--modes FULL] [--level 0]
+        [--cprofile 30]   # also the host functions taking the most time (cProfile, own time)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_bench as db  # noqa: E402
+
+PHASES = ("schedule", "prepare", "launch", "gpu_wait", "sample")
+
+
+def _timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, appending each call's host seconds to record."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        record.append(time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
+def _after_sync(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, after waiting for the GPU; each wait's seconds appended to record."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        db._sync()
+        record.append(time.perf_counter() - t0)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def phase_table(engine: Any, steps: int) -> dict[str, float]:
+    """Median microseconds per phase over `steps` decode steps (and the whole step)."""
+    rec: dict[str, list[float]] = defaultdict(list)
+    sched, runner, sampler = engine.scheduler, engine.runner, engine.sampler
+    saved = (sched.schedule, runner.prepare_inputs, runner.run_model, sampler)
+    sched.schedule = _timed(rec["schedule"], sched.schedule)
+    runner.prepare_inputs = _timed(rec["prepare"], runner.prepare_inputs)
+    runner.run_model = _timed(rec["launch"], runner.run_model)
+    engine.sampler = _after_sync(rec["gpu_wait"], _timed(rec["sample"], sampler))
+    try:
+        for _ in range(3):
+            engine.step()
+        for r in rec.values():
+            r.clear()
+        totals = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - t0)
+    finally:
+        sched.schedule, runner.prepare_inputs, runner.run_model, engine.sampler = saved
+    out = {p: round(statistics.median(rec[p]) * 1e6, 1) for p in PHASES}
+    out["step"] = round(statistics.median(totals) * 1e6, 1)
+    out["rest"] = round(out["step"] - sum(out[p] for p in PHASES), 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--modes", nargs="+", default=["FULL"])
+    ap.add_argument("--level", type=int, default=0)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="print the N host functions with the most own time over the steps")
+    args = ap.parse_args()
+    from atom.config import CUDAGraphMode
+
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "level": args.level, "phases_us": {}}
+    max_bs = max(args.batches)
+    blocks = max_bs * ((args.context + 1024) // 16 + 2) + 64
+    engine, _, _ = db.build_engine(args.level, max_bs, args.context, blocks)
+    runners = {m: db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
+               for m in args.modes}
+    for b in args.batches:
+        engine.runner.graph_runner = None
+        db.fill_batch(engine, b, args.context)
+        for m in args.modes:
+            engine.runner.graph_runner = runners[m]
+            t = phase_table(engine, args.steps)
+            result["phases_us"][f"{m}/{b}"] = t
+            print(f"level {args.level} {m} batch {b}: " + ", ".join(f"{k} {v}" for k, v in t.items()),
+                  flush=True)
+            if args.cprofile:
+                prof = cProfile.Profile()
+                prof.runcall(lambda: [engine.step() for _ in range(args.steps)])
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+                print(text.getvalue(), flush=True)
+        engine.runner.graph_runner = None
+        db.drain(engine)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
