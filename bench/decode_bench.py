@@ -97,6 +97,19 @@ def build_engine(level: int, max_num_seqs: int, context: int, num_kv_blocks: int
     return engine, time.perf_counter() - t0, summary
 
 
+def kv_blocks(max_bs: int, context: int) -> int:
+    """KV blocks for max_bs sequences of `context` tokens and 1024 more (the model length)."""
+    return max_bs * ((context + 1024) // 16 + 2) + 64
+
+
+def profile_setup(level: int, batches: list[int], context: int, key: str
+                  ) -> tuple[Any, dict[str, Any]]:
+    """The profiling scripts' engine for these batches and their result header (key: {})."""
+    engine, _, _ = build_engine(level, max(batches), context, kv_blocks(max(batches), context))
+    return engine, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "level": level, key: {}}
+
+
 def capture(engine, mode, sizes: list[int]) -> tuple[Any, float]:
     from atom.model_engine.graph_runner import GraphRunner
 
@@ -183,9 +196,8 @@ def bench_level(level: int, batches: list[int], modes: list[str], context: int, 
     from atom.utils.counters import counters
 
     max_bs = max(batches)
-    blocks = max_bs * ((context + 1024) // 16 + 2) + 64
     engine, init_s, summary = build_engine(level, max(512 if ladder else max_bs, max_bs),
-                                           context, blocks)
+                                           context, kv_blocks(max_bs, context))
     out: dict[str, Any] = {"init_seconds": round(init_s, 2),
                            "compile_seconds": summary.get("compile_seconds"),
                            "modes": {}, "capture": {}}

@@ -142,11 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
 
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "level": args.level, "profiles": {}}
-    max_bs = max(args.batches)
-    blocks = max_bs * ((args.context + 1024) // 16 + 2) + 64
-    engine, _, _ = db.build_engine(args.level, max_bs, args.context, blocks)
+    engine, result = db.profile_setup(args.level, args.batches, args.context, "profiles")
     # name -> (mode, alternative or None): a graph keeps the settings it was recorded with.
     variants = {m: (m, None) for m in args.modes}
     variants.update({f"{m}-{alt}": (m, alt) for m in args.modes for alt in args.compare})

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
 
@@ -95,11 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
 
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "level": args.level, "phases_us": {}}
-    max_bs = max(args.batches)
-    blocks = max_bs * ((args.context + 1024) // 16 + 2) + 64
-    engine, _, _ = db.build_engine(args.level, max_bs, args.context, blocks)
+    engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us")
     runners = {m: db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
                for m in args.modes}
     for b in args.batches:
