@@ -2,9 +2,10 @@
 
 bench/decode_bench.py reports the step beside the forward: the difference is host work that
 the GPU waits for. Here each phase of --steps decode steps is timed on the host: scheduling,
-input preparation (host lists to the device buffers), the forward's launch (a graph replay),
-the wait for the GPU (a synchronisation added before sampling, so the sampler's own time is
-apart), sampling, and the rest of the step (appending tokens, stop checks, outputs).
+input preparation (host lists to the device buffers), the forward's launch (a graph replay
+and the logits' projection), the wait for the GPU (a synchronisation added before sampling,
+so the sampler's own time is apart), sampling, and the rest of the step (appending tokens,
+stop checks, outputs).
 
     python bench/profile_step.py --out step.json [--batches 1 8 64] [--modes FULL] [--level 0]
         [--cprofile 30]   # also the host functions taking the most time (cProfile, own time)

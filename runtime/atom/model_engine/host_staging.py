@@ -30,6 +30,8 @@ Field = tuple[torch.dtype, tuple[int, ...], int]
 
 
 class HostStaging:
+    """The fields' device buffers (`buffers`) and the host side that fills them."""
+
     def __init__(self, fields: dict[str, Field], device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         sizes: dict[torch.dtype, int] = {}
