@@ -102,6 +102,17 @@ def kv_blocks(max_bs: int, context: int) -> int:
     return max_bs * ((context + 1024) // 16 + 2) + 64
 
 
+def profile_parser(doc: str, level: int) -> argparse.ArgumentParser:
+    """The profiling scripts' shared flags (their own are added after)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--modes", nargs="+", default=["FULL"])
+    ap.add_argument("--level", type=int, default=level)
+    ap.add_argument("--context", type=int, default=512)
+    return ap
+
+
 def profile_setup(level: int, batches: list[int], context: int, key: str
                   ) -> tuple[Any, dict[str, Any]]:
     """The profiling scripts' engine for these batches and their result header (key: {})."""
@@ -183,6 +194,19 @@ def time_steps(engine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+@contextmanager
+def filled_batch(engine, batch: int, context: int) -> Iterator[None]:
+    """`batch` sequences decoding (fill_batch) for the with-block, drained after; filling and
+    draining run with no graph runner."""
+    engine.runner.graph_runner = None
+    fill_batch(engine, batch, context)
+    try:
+        yield
+    finally:
+        engine.runner.graph_runner = None
+        drain(engine)
+
+
 def drain(engine) -> None:
     for rid in list(engine._seqs):
         engine.abort_request(rid)
@@ -212,22 +236,19 @@ def bench_level(level: int, batches: list[int], modes: list[str], context: int, 
         out["capture"][name] = {"sizes": sorted(set(batches)), "seconds": round(secs, 3),
                                 "pool_bytes": gr.pool_bytes}
     for batch in batches:
-        engine.runner.graph_runner = None
-        fill_batch(engine, batch, context)
-        for name in modes:
-            engine.runner.graph_runner = runners[name]
-            with counters.track() as d:
-                fwd = time_forward(engine, iters)
-                stp = time_steps(engine, steps)
-            replays = d.get("graph_replays", 0)
-            if name != "NONE":
-                assert replays > 0, f"{name} at batch {batch} did not replay: {d}"
-            out["modes"].setdefault(name, {})[str(batch)] = {
-                "forward_ms": round(fwd, 4), "step_ms": round(stp, 4), "replays": replays}
-            print(f"level {level} {name:>10} batch {batch:>3}: forward {fwd:7.3f} ms, "
-                  f"step {stp:7.3f} ms", flush=True)
-        engine.runner.graph_runner = None
-        drain(engine)
+        with filled_batch(engine, batch, context):
+            for name in modes:
+                engine.runner.graph_runner = runners[name]
+                with counters.track() as d:
+                    fwd = time_forward(engine, iters)
+                    stp = time_steps(engine, steps)
+                replays = d.get("graph_replays", 0)
+                if name != "NONE":
+                    assert replays > 0, f"{name} at batch {batch} did not replay: {d}"
+                out["modes"].setdefault(name, {})[str(batch)] = {
+                    "forward_ms": round(fwd, 4), "step_ms": round(stp, 4), "replays": replays}
+                print(f"level {level} {name:>10} batch {batch:>3}: forward {fwd:7.3f} ms, "
+                      f"step {stp:7.3f} ms", flush=True)
     if ladder:
         for name in [m for m in modes if m != "NONE"]:
             engine.runner.graph_runner = None

@@ -12,7 +12,6 @@ Each projection's cuBLAS GEMM on its own: bench/gemv_sweep.py.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -130,12 +129,7 @@ def alternative(name: str | None) -> Iterator[None]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--modes", nargs="+", default=["FULL"])
-    ap.add_argument("--level", type=int, default=3)
-    ap.add_argument("--context", type=int, default=512)
+    ap = db.profile_parser(__doc__, level=3)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--compare", nargs="*", default=[], choices=sorted(ALTERNATIVES),
                     help="also record each mode with these alternatives (see ALTERNATIVES)")
@@ -152,23 +146,20 @@ def main() -> None:
             runners[name] = (db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
                              if m != "NONE" else None)
     for b in args.batches:
-        engine.runner.graph_runner = None
-        db.fill_batch(engine, b, args.context)
-        for m in variants:
-            engine.runner.graph_runner = runners[m]
-            with alternative(variants[m][1]):  # eager (NONE) reads the settings per call
-                t = kernel_table(engine, args.iters)
-            result["profiles"][f"{m}/{b}"] = t
-            print(f"\n== level {args.level} {m} batch {b}: wall {t['wall_us']} us/step, "
-                  f"kernels {t['kernel_us']} us/step ({t['kernels_per_step']} launches)")
-            for r in t["kernels"][:25]:
-                print(f"  {r['us']:8.2f} us {100 * r['share']:5.1f}%  x{r['calls']:<5} "
-                      f"{r['name']}")
-            print(f"  charged to each kernel (GPU span {t['span_us']} us/step):")
-            for r in t["charged"]:
-                print(f"  {r['us']:8.2f} us  {r['label']}")
-        engine.runner.graph_runner = None
-        db.drain(engine)
+        with db.filled_batch(engine, b, args.context):
+            for m in variants:
+                engine.runner.graph_runner = runners[m]
+                with alternative(variants[m][1]):  # eager (NONE) reads the settings per call
+                    t = kernel_table(engine, args.iters)
+                result["profiles"][f"{m}/{b}"] = t
+                print(f"\n== level {args.level} {m} batch {b}: wall {t['wall_us']} us/step, "
+                      f"kernels {t['kernel_us']} us/step ({t['kernels_per_step']} launches)")
+                for r in t["kernels"][:25]:
+                    print(f"  {r['us']:8.2f} us {100 * r['share']:5.1f}%  x{r['calls']:<5} "
+                          f"{r['name']}")
+                print(f"  charged to each kernel (GPU span {t['span_us']} us/step):")
+                for r in t["charged"]:
+                    print(f"  {r['us']:8.2f} us  {r['label']}")
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
 

@@ -13,7 +13,6 @@ stop checks, outputs).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -82,12 +81,7 @@ def phase_table(engine: Any, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--modes", nargs="+", default=["FULL"])
-    ap.add_argument("--level", type=int, default=0)
-    ap.add_argument("--context", type=int, default=512)
+    ap = db.profile_parser(__doc__, level=0)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over the steps")
@@ -98,22 +92,20 @@ def main() -> None:
     runners = {m: db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
                for m in args.modes}
     for b in args.batches:
-        engine.runner.graph_runner = None
-        db.fill_batch(engine, b, args.context)
-        for m in args.modes:
-            engine.runner.graph_runner = runners[m]
-            t = phase_table(engine, args.steps)
-            result["phases_us"][f"{m}/{b}"] = t
-            print(f"level {args.level} {m} batch {b}: " + ", ".join(f"{k} {v}" for k, v in t.items()),
-                  flush=True)
-            if args.cprofile:
-                prof = cProfile.Profile()
-                prof.runcall(lambda: [engine.step() for _ in range(args.steps)])
-                text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.cprofile)
-                print(text.getvalue(), flush=True)
-        engine.runner.graph_runner = None
-        db.drain(engine)
+        with db.filled_batch(engine, b, args.context):
+            for m in args.modes:
+                engine.runner.graph_runner = runners[m]
+                t = phase_table(engine, args.steps)
+                result["phases_us"][f"{m}/{b}"] = t
+                print(f"level {args.level} {m} batch {b}: "
+                      + ", ".join(f"{k} {v}" for k, v in t.items()), flush=True)
+                if args.cprofile:
+                    prof = cProfile.Profile()
+                    prof.runcall(lambda: [engine.step() for _ in range(args.steps)])
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(
+                        args.cprofile)
+                    print(text.getvalue(), flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
