@@ -6,7 +6,10 @@ holds --context tokens. For each level, one engine is compiled once and the grap
 swapped on it (GraphRunner with a mode override), so the modes run the same compiled code:
 - forward_ms: ModelRunner.run_model on one prepared decode batch (replay or eager forward +
   logits), timed over --iters back-to-back calls between two synchronisations;
-- step_ms: a whole LLMEngine.step() (scheduling, input preparation, forward, sampling).
+- step_ms: a whole LLMEngine.step() (scheduling, input preparation, forward, sampling), the
+  engine's default asynchronous steps (each launched before the last is read): steps over time;
+- step_sync_ms: the same with Config.async_scheduling off (each step ends with its tokens on
+  the host), for comparison.
 Also: transformers generate() with a static cache (which compiles the forward with
 torch.compile) on the same shapes, per step the median of 5 timed pairs; the bound (weight +
 KV bytes) / measured copy rate; the capture time of the default ladder (1-8, 16..512).
@@ -145,6 +148,7 @@ def fill_batch(engine, batch: int, context: int) -> None:
         if all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) \
                 and not engine.scheduler.waiting:
             break
+    engine.read_launched()
 
 
 @contextmanager
@@ -153,6 +157,7 @@ def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
     forward context set; on exit the sequences are un-scheduled (the next step takes them)."""
 
     runner = engine.runner
+    engine.read_launched()  # the batch's tokens on the host: nothing pending on the device
     sched = engine.scheduler.schedule()
     assert not sched.is_prefill, "expected a pure decode batch"
     seqs = sched.seqs
@@ -183,15 +188,20 @@ def time_forward(engine, iters: int) -> float:
         return (time.perf_counter() - t0) / iters * 1e3
 
 
-def time_steps(engine, steps: int) -> float:
-    for _ in range(2):
-        engine.step()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()  # sampling returns host tokens: every step ends synchronised
-    _sync()
-    return (time.perf_counter() - t0) / steps * 1e3
+def time_steps(engine, steps: int, asynchronous: bool = True) -> float:
+    """ms per LLMEngine.step() over `steps` steps, from one synchronisation to the next."""
+    engine.async_scheduling = asynchronous
+    try:
+        for _ in range(2):
+            engine.step()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()  # asynchronous: the last step has run, though not yet read
+        return (time.perf_counter() - t0) / steps * 1e3
+    finally:
+        engine.async_scheduling = True
 
 
 @contextmanager
@@ -242,13 +252,15 @@ def bench_level(level: int, batches: list[int], modes: list[str], context: int, 
                 with counters.track() as d:
                     fwd = time_forward(engine, iters)
                     stp = time_steps(engine, steps)
+                    stp_sync = time_steps(engine, steps, asynchronous=False)
                 replays = d.get("graph_replays", 0)
                 if name != "NONE":
                     assert replays > 0, f"{name} at batch {batch} did not replay: {d}"
                 out["modes"].setdefault(name, {})[str(batch)] = {
-                    "forward_ms": round(fwd, 4), "step_ms": round(stp, 4), "replays": replays}
+                    "forward_ms": round(fwd, 4), "step_ms": round(stp, 4),
+                    "step_sync_ms": round(stp_sync, 4), "replays": replays}
                 print(f"level {level} {name:>10} batch {batch:>3}: forward {fwd:7.3f} ms, "
-                      f"step {stp:7.3f} ms", flush=True)
+                      f"step {stp:7.3f} ms (synchronous {stp_sync:7.3f})", flush=True)
     if ladder:
         for name in [m for m in modes if m != "NONE"]:
             engine.runner.graph_runner = None
@@ -362,6 +374,9 @@ def table(result: dict[str, Any]) -> str:
                          + " | ".join(f"{per[str(b)]['forward_ms']:.3f}" for b in batches) + " |")
             lines.append(f"| level {level} {mode} engine step | "
                          + " | ".join(f"{per[str(b)]['step_ms']:.3f}" for b in batches) + " |")
+            lines.append(f"| level {level} {mode} engine step, synchronous | "
+                         + " | ".join(f"{per[str(b)]['step_sync_ms']:.3f}" for b in batches)
+                         + " |")
     if result.get("transformers"):
         hf = result["transformers"]
         lines.append("| transformers static cache + compile | "

@@ -3,11 +3,12 @@
 bench/decode_bench.py reports the step beside the forward: the difference is host work that
 the GPU waits for. Here each phase of --steps decode steps is timed on the host: scheduling,
 input preparation (host lists to the device buffers), the forward's launch (a graph replay
-and the logits' projection), the wait for the GPU (a synchronisation added before sampling,
-so the sampler's own time is apart), sampling, and the rest of the step (appending tokens,
-stop checks, outputs).
+and the logits' projection), sampling's launch, reading a step's tokens (which waits for the
+GPU to finish that step: with asynchronous steps the one launched before, with --sync this
+one), and the rest of the step.
 
     python bench/profile_step.py --out step.json [--batches 1 8 64] [--modes FULL] [--level 0]
+        [--sync]          # Config.async_scheduling off: each step ends with its tokens read
         [--cprofile 30]   # also the host functions taking the most time (cProfile, own time)
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
 
-PHASES = ("schedule", "prepare", "launch", "gpu_wait", "sample")
+PHASES = ("schedule", "prepare", "launch", "sample", "read")
 
 
 def _timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,26 +43,14 @@ def _timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _after_sync(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn, after waiting for the GPU; each wait's seconds appended to record."""
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        db._sync()
-        record.append(time.perf_counter() - t0)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def phase_table(engine: Any, steps: int) -> dict[str, float]:
     """Median microseconds per phase over `steps` decode steps (and the whole step)."""
     rec: dict[str, list[float]] = defaultdict(list)
-    sched, runner, sampler = engine.scheduler, engine.runner, engine.sampler
-    saved = (sched.schedule, runner.prepare_inputs, runner.run_model, sampler)
-    sched.schedule = _timed(rec["schedule"], sched.schedule)
-    runner.prepare_inputs = _timed(rec["prepare"], runner.prepare_inputs)
-    runner.run_model = _timed(rec["launch"], runner.run_model)
-    engine.sampler = _after_sync(rec["gpu_wait"], _timed(rec["sample"], sampler))
+    timed = {(engine.scheduler, "schedule"): "schedule",
+             (engine.runner, "prepare_inputs"): "prepare", (engine.runner, "run_model"): "launch",
+             (engine.sampler, "sample"): "sample", (engine, "_read"): "read"}
+    for (obj, attr), phase in timed.items():  # instance attributes, deleted afterwards
+        setattr(obj, attr, _timed(rec[phase], getattr(obj, attr)))
     try:
         for _ in range(3):
             engine.step()
@@ -73,7 +62,8 @@ def phase_table(engine: Any, steps: int) -> dict[str, float]:
             engine.step()
             totals.append(time.perf_counter() - t0)
     finally:
-        sched.schedule, runner.prepare_inputs, runner.run_model, engine.sampler = saved
+        for obj, attr in timed:
+            delattr(obj, attr)
     out = {p: round(statistics.median(rec[p]) * 1e6, 1) for p in PHASES}
     out["step"] = round(statistics.median(totals) * 1e6, 1)
     out["rest"] = round(out["step"] - sum(out[p] for p in PHASES), 1)
@@ -83,12 +73,15 @@ def phase_table(engine: Any, steps: int) -> dict[str, float]:
 def main() -> None:
     ap = db.profile_parser(__doc__, level=0)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--sync", action="store_true", help="synchronous steps (async_scheduling off)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over the steps")
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
 
     engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us")
+    engine.async_scheduling = not args.sync
+    result["async_scheduling"] = engine.async_scheduling
     runners = {m: db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]
                for m in args.modes}
     for b in args.batches:

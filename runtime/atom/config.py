@@ -232,6 +232,9 @@ class Config:
     gpu_memory_utilization: float = 0.85
     num_kv_blocks: int | None = None  # CPU: size of the KV cache in blocks (default 512)
     enforce_eager: bool = False
+    # Launch each step before reading the last one's tokens (LLMEngine.step); False: every
+    # step ends with its tokens on the host.
+    async_scheduling: bool = True
     capture_sizes: list[int] | None = None  # computed in __post_init__
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     seed: int = 0

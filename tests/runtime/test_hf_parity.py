@@ -124,20 +124,20 @@ def _check(engine: LLMEngine, hf: torch.nn.Module) -> None:
 
     # 2. greedy tokens of a batch (mixed prefill + decode steps) and every step's logits
     recorded: dict[str, list[torch.Tensor]] = {}
-    sampler = engine.sampler
+    sample = engine.sampler.sample
 
-    def recording_sampler(logits, seqs):
+    def recording_sample(logits, seqs):
         for row, seq in zip(logits, seqs, strict=False):
             recorded.setdefault(seq.request_id, []).append(row.clone())
-        return sampler(logits, seqs)
+        return sample(logits, seqs)
 
-    engine.sampler = recording_sampler
+    engine.sampler.sample = recording_sample
     n_new = 12
     params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     try:
         outs = engine.generate(PROMPTS, params)
     finally:
-        engine.sampler = sampler
+        del engine.sampler.sample
     for i, (prompt, out) in enumerate(zip(PROMPTS, outs, strict=True)):
         with torch.no_grad():
             gen = _hf_greedy(hf, torch.tensor([prompt]), n_new)

@@ -41,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
+        async_scheduling=getattr(args, "async_scheduling", True),
         compilation_config=compilation_from_args(args),
         seed=args.seed,
         role=args.role,

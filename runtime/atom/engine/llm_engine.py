@@ -1,10 +1,21 @@
-"""LLMEngine: requests in, tokens out, one scheduler step at a time (docs/architecture.md)."""
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (docs/architecture.md).
+
+Asynchronous scheduling (Config.async_scheduling, default on): `step()` schedules and launches
+a step, then reads the tokens of the step launched before it, so the host's scheduling, input
+preparation and output handling overlap the GPU's forward. A sequence that goes on after the
+launched step gets PENDING_TOKEN in its token ids; the next step reads the real token on the
+device. Whether the launched step ends a sequence by length is known at launch (such a
+sequence gets no placeholder and is not scheduled again); a stop token is known only when the
+step is read, so a step already launched may compute one row more for that sequence, which is
+discarded.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,9 +24,10 @@ from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import scatter_blocks
 from atom.engine.block_manager import BlockManager
 from atom.engine.params import RequestOutput, SamplingParams
-from atom.engine.sampler import Sampler
-from atom.engine.scheduler import Scheduler
-from atom.engine.sequence import Sequence
+from atom.engine.sampled_copy import SampledCopier, SampledCopy
+from atom.engine.sampler import Sampler, host_results
+from atom.engine.scheduler import Scheduler, SchedulerOutput
+from atom.engine.sequence import PENDING_TOKEN, Sequence
 from atom.model_engine.model_runner import ModelRunner
 from atom.models.registry import load_model_config
 from atom.utils.counters import counters
@@ -23,6 +35,16 @@ from atom.utils.counters import counters
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_HOLD_S = 30.0
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the GPU and not yet read."""
+
+    seqs: list[Sequence]  # the sampled sequences, in the order of `tokens`
+    slots: list[int | None]  # each one's PENDING_TOKEN index in token_ids (None: appended when read)
+    tokens: torch.Tensor  # sampled ids on the device: the next step's pending rows read them
+    copy: SampledCopy
 
 
 class LLMEngine:
@@ -54,6 +76,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
+        self.async_scheduling = bool(getattr(config, "async_scheduling", True))
+        self._copier = SampledCopier(self.runner.max_num_seqs, self.runner.device)
+        self._launched: LaunchedStep | None = None
         self.eos_token_ids = set(self.hf_config.eos_token_id)
         # Prompt blocks of finished prefill-role sequences, kept until pulled (atom.disagg).
         self.kv_holds = KVHoldRegistry(DEFAULT_KV_HOLD_S)
@@ -114,7 +139,7 @@ class LLMEngine:
             # skip that draw so the following tokens match a unified instance's.
             vocab = self.hf_config.vocab_size
             torch.empty(vocab, device=self.runner.device).exponential_(generator=seq.generator)
-        reason = self._stop_reason(seq, first_token)
+        reason = self._stop_reason(seq, first_token, seq.num_tokens)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         else:
@@ -156,21 +181,32 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq, "abort")
+        _drop_pending(seq, len(seq.token_ids))
         self._pending.append(self._output(seq, [], []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or self._launched is not None)
 
     # ---- stepping ------------------------------------------------------------------------
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why `token`, the sequence's num_tokens-th, ends it (None: it goes on)."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._ends_by_length(seq, num_tokens):
             return "length"
         return None
 
-    def _output(self, seq: Sequence, tokens: list[int], lps: list[float | None]) -> RequestOutput:
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.config.max_model_len)
+
+    def _output(self, seq: Sequence, tokens: list[int], lps: list[float | None],
+                num_tokens: int | None = None) -> RequestOutput:
+        """num_tokens: the sequence's tokens up to the last of `tokens` (default: all)."""
+        if num_tokens is None:
+            num_tokens = seq.num_tokens
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -178,33 +214,74 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_tokens - seq.num_prompt_tokens,
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs for every request that moved."""
+        """Schedule and launch a step; outputs for every request that moved: those of the step
+        launched before (asynchronous scheduling) or of this one."""
         self.reclaim_kv()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
-        if not sched:
-            return outputs
+        launched = self._launch(sched) if sched else None
+        if self._launched is not None:
+            outputs.extend(self._read(self._launched))
+        self._launched = launched
+        if launched is not None and not self.async_scheduling:
+            outputs.extend(self._read(launched))
+            self._launched = None
+        return outputs
+
+    def read_launched(self) -> None:
+        """Read the step in flight now (every sampled token on the host); its outputs come
+        with the next step()."""
+        if self._launched is not None:
+            self._pending.extend(self._read(self._launched))
+            self._launched = None
+
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        """Queue the step's forward and sampling; placeholders for the sequences that go on."""
         self._place_pulled_kv(sched.seqs)
-        logits, to_sample = self.runner.execute_model(sched.seqs, sched.is_prefill)
+        before = self._launched.tokens if self._launched is not None else None
+        logits, to_sample = self.runner.execute_model(sched.seqs, sched.is_prefill, before)
         for seq in sched.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-        tokens, lps = self.sampler(logits, to_sample)
-        for seq, tok, lp in zip(to_sample, tokens, lps, strict=True):
-            seq.token_ids.append(tok)
+        if not to_sample:
+            return None
+        tokens, logprobs = self.sampler.sample(logits, to_sample)
+        slots: list[int | None] = []
+        for i, seq in enumerate(to_sample):
+            if self._ends_by_length(seq, seq.num_tokens + 1):
+                slots.append(None)  # its last token: not scheduled again
+            else:
+                slots.append(seq.num_tokens)
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending_src = i
+        return LaunchedStep(to_sample, slots, tokens, self._copier.start(tokens, logprobs))
+
+    def _read(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Put a launched step's tokens in their sequences; finish those they end."""
+        tokens, lps = host_results(*step.copy.result(), step.seqs)
+        outputs = []
+        for seq, slot, tok, lp in zip(step.seqs, step.slots, tokens, lps, strict=True):
+            if seq.is_finished:
+                continue  # aborted, or stopped by a token read after this step was launched
+            if slot is None:
+                slot = len(seq.token_ids)
+                seq.token_ids.append(tok)
+            else:
+                seq.token_ids[slot] = tok
             if lp is not None:
                 seq.output_logprobs.append(lp)
-            reason = self._stop_reason(seq, tok)
+            reason = self._stop_reason(seq, tok, slot + 1)
             if reason is not None:
+                _drop_pending(seq, slot + 1)
                 if seq.hold_kv:
                     self._hold_prompt_blocks(seq)
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [tok], [lp]))
+            outputs.append(self._output(seq, [tok], [lp], slot + 1))
         return outputs
 
     # ---- disaggregation ------------------------------------------------------------------------
@@ -259,3 +336,10 @@ class LLMEngine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
+
+
+def _drop_pending(seq: Sequence, keep: int) -> None:
+    """A finished sequence keeps its first `keep` tokens, less any still pending."""
+    del seq.token_ids[keep:]
+    while seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+        seq.token_ids.pop()

@@ -39,26 +39,30 @@ class Sampler:
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    def _rows_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Per-row parameters on the device without waiting for the GPU: a copy from pageable
+        memory would synchronise the stream (and stall the step launched ahead)."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
-                 ) -> tuple[list[int], list[float | None]]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids [n] (int64) and, when any request asks, logprobs [n] (fp32) of the n
+        rows, on the logits' device; nothing waits for the GPU."""
         n = len(seqs)
-        if n == 0:
-            return [], []
         logits = logits[:n]
         params = [s.params for s in seqs]
-        greedy_tok = logits.argmax(dim=-1)
-        tokens = greedy_tok
+        tokens = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sample_rows:
-            rows = torch.tensor(sample_rows, device=logits.device)
+            rows = self._rows_tensor(sample_rows, torch.long)
             sub = logits[rows].float()
-            temp = torch.tensor([params[i].temperature for i in sample_rows], device=logits.device)
+            temp = self._rows_tensor([params[i].temperature for i in sample_rows], torch.float32)
             sub = sub / temp[:, None]
             if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in sample_rows):
-                top_k = torch.tensor([params[i].top_k for i in sample_rows], device=logits.device)
-                top_p = torch.tensor([params[i].top_p for i in sample_rows], device=logits.device,
-                                     dtype=torch.float32)
+                top_k = self._rows_tensor([params[i].top_k for i in sample_rows], torch.long)
+                top_p = self._rows_tensor([params[i].top_p for i in sample_rows], torch.float32)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
             probs = sub.softmax(dim=-1)
             noise = torch.empty_like(probs)
@@ -66,12 +70,25 @@ class Sampler:
                 gen = seqs[i].generator or self.generator
                 noise[j].exponential_(generator=gen)
             drawn = (probs / noise).argmax(dim=-1)
-            tokens = greedy_tok.clone()
+            tokens = tokens.clone()
             tokens[rows] = drawn
-        want_lp = [p.logprobs for p in params]
-        token_list = tokens.tolist()
-        if not any(want_lp):
-            return token_list, [None] * n
-        lp = (logits.log_softmax(dim=-1, dtype=torch.float32)
-              .gather(-1, tokens[:, None]).squeeze(-1).tolist())
-        return token_list, [v if w else None for v, w in zip(lp, want_lp, strict=True)]
+        if not any(p.logprobs for p in params):
+            return tokens, None
+        lp = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None])
+        return tokens, lp.squeeze(-1)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
+                 ) -> tuple[list[int], list[float | None]]:
+        """sample(), brought to the host: token ids, and logprobs where a request asks."""
+        if not seqs:
+            return [], []
+        tokens, lp = self.sample(logits, seqs)
+        return host_results(tokens.tolist(), None if lp is None else lp.tolist(), seqs)
+
+
+def host_results(tokens: list[int], logprobs: list[float] | None, seqs: list[Sequence]
+                 ) -> tuple[list[int], list[float | None]]:
+    """Token ids and, per request, its logprob or None when it did not ask."""
+    if logprobs is None:
+        return tokens, [None] * len(tokens)
+    return tokens, [v if s.params.logprobs else None for v, s in zip(logprobs, seqs, strict=True)]

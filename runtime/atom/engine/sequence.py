@@ -8,6 +8,10 @@ import torch
 
 from atom.engine.params import SamplingParams
 
+# Stands in token_ids for a token sampled by a step whose result the host has not read yet
+# (asynchronous scheduling): the next step reads the real id on the device (`pending_src`).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -42,6 +46,8 @@ class Sequence:
         # pulled one carries its prompt's blocks (host tensor) until the scheduler places it.
         self.hold_kv = False
         self.kv_payload: torch.Tensor | None = None
+        # Row of the launched step's sampled tokens that holds this sequence's PENDING_TOKEN.
+        self.pending_src: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ def config_info(config: Any) -> dict[str, Any]:
         "mode": str(cc.cudagraph_mode) if cc.cudagraph_mode is not None else "NONE",
         "buckets": list(config.capture_sizes or []),
         "enforce_eager": bool(config.enforce_eager),
+        "async_scheduling": bool(getattr(config, "async_scheduling", True)),
         "device": config.device,
         "dtype": config.dtype,
         "max_num_seqs": config.max_num_seqs,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from atom.config import CompilationLevel
-from atom.engine.sequence import Sequence
+from atom.engine.sequence import PENDING_TOKEN, Sequence
 from atom.model_engine.host_staging import HostStaging
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
@@ -38,9 +39,22 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BLOCKS = 512
 
 
-
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+@dataclass
+class PendingRows:
+    """Rows whose token is on the device only: row rows[i] takes tokens[src[i]]."""
+
+    rows: list[int]
+    src: list[int]
+    tokens: torch.Tensor
+
+    @property
+    def in_order(self) -> bool:
+        """Row i takes token i for every i: one plain copy does it."""
+        return self.rows == self.src == list(range(len(self.rows)))
 
 
 class ModelRunner:
@@ -102,6 +116,9 @@ class ModelRunner:
             "cu_seqlens_q": (i32, (seqs + 1,), 0),
             "cu_seqlens_k": (i32, (seqs + 1,), 0),
             "block_tables": (i32, (seqs, self.max_blocks_per_seq), 0),
+            # rows whose token the previous step sampled, and where it sits in its tokens
+            "pending_rows": (i64, (seqs,), 0),
+            "pending_src": (i64, (seqs,), 0),
         }, self.device)
 
     def kv_block_bytes(self) -> int:
@@ -152,8 +169,10 @@ class ModelRunner:
     # ---- inputs --------------------------------------------------------------------------
     def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
                q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
-               num_seqs: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
-        """Copy host lists (already padded) into the persistent buffers and wrap them."""
+               num_seqs: int, num_rows: int, pending: PendingRows | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
+        """Copy host lists (already padded) into the persistent buffers and wrap them; then
+        the pending rows take their tokens from the previous step's sampled ids."""
         rows, nseq = len(rows_ids), len(ctx_lens)
         if rows > self.max_num_rows or nseq > self.max_num_seqs:
             raise ValueError(f"batch of {rows} rows / {nseq} sequences exceeds the runner's buffers "
@@ -173,7 +192,16 @@ class ModelRunner:
         # Only the real rows' own blocks are written: kernels never read past a context's
         # blocks, and padded sequences (context 0) read none.
         staging.put_rows("block_tables", tables)
+        resolve = pending is not None and not pending.in_order
+        if resolve:
+            dst = staging.put("pending_rows", pending.rows)
+            src = staging.put("pending_src", pending.src)
         staging.flush()
+        if pending is not None:
+            if resolve:
+                input_ids.index_copy_(0, dst, pending.tokens.index_select(0, src))
+            else:  # steady decode: the same sequences in the same order as the last step
+                input_ids[:len(pending.rows)].copy_(pending.tokens[:len(pending.rows)])
         bt = self.forward_vars["block_tables"]
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -187,13 +215,15 @@ class ModelRunner:
         return input_ids, positions, meta, context
 
     def prepare_inputs(self, seqs: list[Sequence], is_prefill: bool, pad_to_rows: int | None = None,
-                       pad_to_seqs: int | None = None
+                       pad_to_seqs: int | None = None, pending_tokens: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
         """Rows for each sequence's scheduled tokens; padding rows have token 0, position 0, slot -1.
 
         Decode (one row per sequence): padding adds sequences of one row with context length 0,
         so row r always belongs to sequence r. Prefill: padding rows belong to no sequence and
-        padded sequences have no rows.
+        padded sequences have no rows. A row whose token is PENDING_TOKEN takes it from
+        `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
+        `pending_src`.
         """
         bs = self.block_size
         ids: list[int] = []
@@ -202,11 +232,18 @@ class ModelRunner:
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
+        pending_rows: list[int] = []
+        pending_src: list[int] = []
         for seq in seqs:
             start = seq.num_computed_tokens
             n = seq.num_scheduled_tokens
             end = start + n
             ids.extend(seq.token_ids[start:end])
+            # Only a sequence's last token can be pending: the host reads a step's tokens
+            # before the step after next is prepared.
+            if seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN:
+                pending_rows.append(len(ids) - 1)
+                pending_src.append(seq.pending_src)
             pos.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -222,8 +259,14 @@ class ModelRunner:
             rows = nseq = max(num_rows, num_seqs, pad_to_rows or 0, pad_to_seqs or 0)
             q_pad = [1] * (nseq - num_seqs)
         pad = rows - num_rows
+        pending = None
+        if pending_rows:
+            if pending_tokens is None:
+                raise ValueError(f"{len(pending_rows)} rows wait for sampled tokens, none given")
+            pending = PendingRows(pending_rows, pending_src, pending_tokens)
         return self._build(ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, q_lens + q_pad,
-                           ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs, num_rows)
+                           ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
+                           num_rows, pending)
 
     def build_dummy_decode(self, num_seqs: int, q_len: int = 1
                            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
@@ -301,14 +344,17 @@ class ModelRunner:
         return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute_model(self, seqs: list[Sequence], is_prefill: bool
+    def execute_model(self, seqs: list[Sequence], is_prefill: bool,
+                      pending_tokens: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one scheduled step; returns logits [n, vocab] (the model's dtype) for the n
-        sequences to sample."""
+        sequences to sample. pending_tokens: the previous step's sampled ids on the device,
+        for rows whose token the host has not read yet (prepare_inputs)."""
         pad_rows = pad_seqs = None
         if self.graph_runner is not None and not self.enforce_eager:
             pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, seqs, is_prefill)
-        input_ids, _, meta, context = self.prepare_inputs(seqs, is_prefill, pad_rows, pad_seqs)
+        input_ids, _, meta, context = self.prepare_inputs(seqs, is_prefill, pad_rows, pad_seqs,
+                                                          pending_tokens)
         idx, sampled = self._logits_indices(seqs)
         indices = self.logits_rows(idx)
         with self.step_context(meta, context):

@@ -1,0 +1,58 @@
+"""A launched step's sampled tokens on their way to the host (asynchronous scheduling).
+
+The engine launches a step and reads the step before it while the GPU runs (docs/architecture.md,
+"Asynchronous scheduling"), so the tokens of a step are copied into pinned host memory without
+waiting, and read once their copy's event has passed. Two buffers serve in turn: the step being
+read and the step launched after it never share one, and a buffer's next use comes only after
+the engine has read it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampledCopy:
+    """One step's token ids (and logprobs) being copied to the host."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor | None,
+                 event: torch.cuda.Event | None) -> None:
+        self.tokens = tokens  # host (pinned) or, on the CPU, the sampler's own tensors
+        self.logprobs = logprobs
+        self._event = event
+
+    def result(self) -> tuple[list[int], list[float] | None]:
+        """The values, once the copies have run."""
+        if self._event is not None:
+            self._event.synchronize()
+        lps = None if self.logprobs is None else self.logprobs.tolist()
+        return self.tokens.tolist(), lps
+
+
+class SampledCopier:
+    """Starts the copies of a step's sampled tokens into one of two pinned host buffers."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._turn = 0
+        if self._cuda:
+            self._tokens = [torch.empty(capacity, dtype=torch.long, pin_memory=True)
+                            for _ in range(2)]
+            self._logprobs = [torch.empty(capacity, dtype=torch.float32, pin_memory=True)
+                              for _ in range(2)]
+
+    def start(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> SampledCopy:
+        """Queue the copies of tokens [n] (and logprobs [n]) on the current stream."""
+        if not self._cuda:
+            return SampledCopy(tokens, logprobs, None)
+        n, turn = tokens.shape[0], self._turn
+        self._turn ^= 1
+        host_tokens = self._tokens[turn][:n]
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_lps = None
+        if logprobs is not None:
+            host_lps = self._logprobs[turn][:n]
+            host_lps.copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return SampledCopy(host_tokens, host_lps, event)
