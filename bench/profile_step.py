@@ -10,6 +10,7 @@ one), and the rest of the step.
     python bench/profile_step.py --out step.json [--batches 1 8 64] [--modes FULL] [--level 0]
         [--sync]          # Config.async_scheduling off: each step ends with its tokens read
         [--cprofile 30]   # also the host functions taking the most time (cProfile, own time)
+        [--kernels 12]    # also the GPU work of a step outside the forward's kernels
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
@@ -70,10 +73,35 @@ def phase_table(engine: Any, steps: int) -> dict[str, float]:
     return out
 
 
+def step_kernels(engine: Any, steps: int, top: int) -> list[dict[str, Any]]:
+    """The `top` GPU activities (kernels, copies) of `steps` engine steps by time, us and
+    calls per step (torch.profiler): with profile_decode's forward, what a step adds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        engine.step()
+    db._sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        db._sync()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            rec = per[ev.name[:80]]
+            rec[0] += 1
+            rec[1] += ev.device_time_total
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": k, "calls": round(c / steps, 2), "us": round(u / steps, 2)}
+            for k, (c, u) in rows]
+
+
 def main() -> None:
     ap = db.profile_parser(__doc__, level=0)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--sync", action="store_true", help="synchronous steps (async_scheduling off)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also list the N GPU activities taking the most time per step")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over the steps")
     args = ap.parse_args()
@@ -92,6 +120,11 @@ def main() -> None:
                 result["phases_us"][f"{m}/{b}"] = t
                 print(f"level {args.level} {m} batch {b}: "
                       + ", ".join(f"{k} {v}" for k, v in t.items()), flush=True)
+                if args.kernels:
+                    ks = step_kernels(engine, args.steps, args.kernels)
+                    result.setdefault("kernels_us", {})[f"{m}/{b}"] = ks
+                    for k in ks:
+                        print(f"  {k['us']:8.2f} us {k['calls']:5.2f}x {k['name']}", flush=True)
                 if args.cprofile:
                     prof = cProfile.Profile()
                     prof.runcall(lambda: [engine.step() for _ in range(args.steps)])
