@@ -106,8 +106,6 @@ ALTERNATIVES = {
     # ... or at most 1 or 4 splits per row (no combine, or a combine of 4 partials).
     "decode-splits-1": ("atom.kernels.triton_attention", "_MAX_SPLITS", 1),
     "decode-splits-4": ("atom.kernels.triton_attention", "_MAX_SPLITS", 4),
-    # Early tiled launches without their first weight tile loaded before the wait.
-    "tiled-no-preload": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD", False),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],

@@ -49,8 +49,6 @@ ROW_WARPS = 8
 # several waves loses its start-up gain (bench/RESULTS.md, session 8).
 TILED_PDL_MAX_ROWS = 1
 ONE_WAVE_PDL_MAX_ROWS = MAX_ROWS
-# An early tiled launch loads its first K step's weight tile before its wait.
-TILED_PRELOAD = True
 
 
 @triton.jit
@@ -60,127 +58,69 @@ def _diagonal(gram, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _weights_2d(w_ptr, offs_n, n_mask, k0, K, stride_w, up_offset, GATED: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """The strip's weight tile at K offset k0 (and its up half when gated): [BLOCK_N, BLOCK_K]."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + kk[None, :]
-    w_mask = n_mask[:, None] & (kk < K)[None, :]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)
-    wu = w
-    if GATED:
-        wu = tl.load(w_rows + up_offset * stride_w, mask=w_mask, other=0.0)
-    return w, wu
-
-
-@triton.jit
-def _tile_2d(x_ptr, nw_ptr, rows_m, m_mask, k0, K, stride_x, w, wu, acc, acc_up, gram,
-             HAS_NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
-             PRECISION: tl.constexpr):
-    """One K step of _strip_dot_2d with the weight tile given."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    k_mask = kk < K
-    x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :],
-                mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-    if HAS_NORM:
-        # Sums of squares: the diagonal of x x^T, on the tensor cores (a row reduction
-        # here would shuffle across lanes every iteration).
-        gram += tl.dot(x, tl.trans(x), input_precision=PRECISION)
-        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        a = (x.to(tl.float32) * nw[None, :]).to(x.dtype)
-    else:
-        a = x
-    acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
-    if GATED:
-        acc_up += tl.dot(a, tl.trans(wu), input_precision=PRECISION)
-    return acc, acc_up, gram
-
-
-@triton.jit
 def _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x, stride_w,
-                  up_offset, w0, wu0, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                  up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, PRELOADED: tl.constexpr):
-    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares).
-    PRELOADED: w0 (and wu0) are the first K step's weight tile, already loaded."""
+                  PRECISION: tl.constexpr):
+    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
-    start = 0
-    if PRELOADED:
-        acc, acc_up, gram = _tile_2d(x_ptr, nw_ptr, rows_m, m_mask, 0, K, stride_x, w0, wu0,
-                                     acc, acc_up, gram, HAS_NORM, GATED, BLOCK_K, PRECISION)
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
-        w, wu = _weights_2d(w_ptr, offs_n, n_mask, k0, K, stride_w, up_offset, GATED, BLOCK_K)
-        acc, acc_up, gram = _tile_2d(x_ptr, nw_ptr, rows_m, m_mask, k0, K, stride_x, w, wu,
-                                     acc, acc_up, gram, HAS_NORM, GATED, BLOCK_K, PRECISION)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_NORM:
+            # Sums of squares: the diagonal of x x^T, on the tensor cores (a row reduction
+            # here would shuffle across lanes every iteration).
+            gram += tl.dot(x, tl.trans(x), input_precision=PRECISION)
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            a = (x.to(tl.float32) * nw[None, :]).to(x.dtype)
+        else:
+            a = x
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+        if GATED:
+            wu = tl.load(w_rows + up_offset * stride_w + kk[None, :], mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, tl.trans(wu), input_precision=PRECISION)
     return acc, acc_up, _diagonal(gram, BLOCK_M)
 
 
 @triton.jit
-def _split_k(k0, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """[SPLIT, SUB] K offsets of the step at k0: slice s covers SUB consecutive elements."""
-    SUB: tl.constexpr = BLOCK_K // SPLIT
-    return k0 + tl.arange(0, SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
-
-
-@triton.jit
-def _weights_split(w_ptr, offs_n, n_mask, k0, K, stride_w, up_offset, GATED: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """The strip's weight tile at K offset k0 in slices: [SPLIT, BLOCK_N, SUB] (and up)."""
-    kk = _split_k(k0, BLOCK_K, SPLIT)
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_w + kk[:, None, :]
-    w_mask = n_mask[None, :, None] & (kk < K)[:, None, :]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)
-    wu = w
-    if GATED:
-        wu = tl.load(w_rows + up_offset * stride_w, mask=w_mask, other=0.0)
-    return w, wu
-
-
-@triton.jit
-def _tile_split(x_ptr, nw_ptr, rows_m, m_mask, k0, K, stride_x, w, wu, acc, acc_up, gram,
-                HAS_NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """One K step of _strip_dot_split with the weight tile given."""
-    kk = _split_k(k0, BLOCK_K, SPLIT)
-    k_mask = kk < K
-    x = tl.load(x_ptr + rows_m[None, :, None] * stride_x + kk[:, None, :],
-                mask=m_mask[None, :, None] & k_mask[:, None, :], other=0.0)
-    if HAS_NORM:
-        gram += tl.dot(x, tl.permute(x, (0, 2, 1)), input_precision=PRECISION)
-        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        a = (x.to(tl.float32) * nw[:, None, :]).to(x.dtype)
-    else:
-        a = x
-    acc += tl.dot(a, tl.permute(w, (0, 2, 1)), input_precision=PRECISION)
-    if GATED:
-        acc_up += tl.dot(a, tl.permute(wu, (0, 2, 1)), input_precision=PRECISION)
-    return acc, acc_up, gram
-
-
-@triton.jit
 def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x,
-                     stride_w, up_offset, w0, wu0, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                     stride_w, up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, PRECISION: tl.constexpr, PRELOADED: tl.constexpr):
+                     SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """_strip_dot_2d with each K step cut into SPLIT slices accumulated separately."""
+    SUB: tl.constexpr = BLOCK_K // SPLIT
+    # [SPLIT, SUB]: slice s of a K step covers SUB consecutive elements.
+    offs_k = tl.arange(0, SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    x_rows = x_ptr + rows_m[None, :, None] * stride_x  # [1, M, 1]
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_w  # [1, N, 1]
     acc = tl.zeros([SPLIT, BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([SPLIT, BLOCK_M, BLOCK_N], tl.float32)
     gram = tl.zeros([SPLIT, BLOCK_M, BLOCK_M], tl.float32)
-    start = 0
-    if PRELOADED:
-        acc, acc_up, gram = _tile_split(x_ptr, nw_ptr, rows_m, m_mask, 0, K, stride_x, w0, wu0,
-                                        acc, acc_up, gram, HAS_NORM, GATED, BLOCK_K, SPLIT,
-                                        PRECISION)
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
-        w, wu = _weights_split(w_ptr, offs_n, n_mask, k0, K, stride_w, up_offset, GATED,
-                               BLOCK_K, SPLIT)
-        acc, acc_up, gram = _tile_split(x_ptr, nw_ptr, rows_m, m_mask, k0, K, stride_x, w, wu,
-                                        acc, acc_up, gram, HAS_NORM, GATED, BLOCK_K, SPLIT,
-                                        PRECISION)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_rows + kk[:, None, :], mask=m_mask[None, :, None] & k_mask[:, None, :],
+                    other=0.0)
+        if HAS_NORM:
+            gram += tl.dot(x, tl.permute(x, (0, 2, 1)), input_precision=PRECISION)
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            a = (x.to(tl.float32) * nw[:, None, :]).to(x.dtype)
+        else:
+            a = x
+        w_mask = n_mask[None, :, None] & k_mask[:, None, :]
+        w = tl.load(w_rows + kk[:, None, :], mask=w_mask, other=0.0)
+        acc += tl.dot(a, tl.permute(w, (0, 2, 1)), input_precision=PRECISION)
+        if GATED:
+            wu = tl.load(w_rows + up_offset * stride_w + kk[:, None, :], mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, tl.permute(wu, (0, 2, 1)), input_precision=PRECISION)
     return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), _diagonal(tl.sum(gram, axis=0), BLOCK_M)
 
 
@@ -190,7 +130,7 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
                       HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      RELEASE: tl.constexpr, WAIT: tl.constexpr, PRELOAD: tl.constexpr):
+                      RELEASE: tl.constexpr, WAIT: tl.constexpr):
     """SPLIT > 1: each K step is SPLIT slices of BLOCK_K // SPLIT, the batches of a 3-D dot,
     one warp each, accumulated separately and summed after the loop. With one accumulator
     every tensor-core op over the strip's K (K / 16 of them) waits for the one before, and at
@@ -202,38 +142,25 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     attention, the preloading kernel, a one-row projection) may start as soon as every program
     here has started; it waits for this kernel's results itself (griddepcontrol.wait).
     WAIT: this launch is such a kernel (tiled_plan's early): it waits for the kernel before
-    it before reading anything but its weights: with PRELOAD the first K step's weight tile
-    is loaded before the wait (the parameters are written by no kernel of the forward), then
-    used first, so the sums run in the same order. (Releasing only after the wait measured
-    slower.)"""
+    it before reading anything. (Releasing only after that wait measured slower.)"""
     if RELEASE:
         gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     rows_m = offs_m.to(tl.int64)
-    w0 = 0.0
-    wu0 = 0.0
-    if PRELOAD:
-        if SPLIT == 1:
-            w0, wu0 = _weights_2d(w_ptr, offs_n, n_mask, 0, K, stride_w, up_offset, GATED,
-                                  BLOCK_K)
-        else:
-            w0, wu0 = _weights_split(w_ptr, offs_n, n_mask, 0, K, stride_w, up_offset, GATED,
-                                     BLOCK_K, SPLIT)
-    if WAIT:
-        gdc_wait()
     if SPLIT == 1:
         acc, acc_up, sq = _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
-                                        K, stride_x, stride_w, up_offset, w0, wu0, HAS_NORM,
-                                        GATED, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, PRELOAD)
+                                        K, stride_x, stride_w, up_offset, HAS_NORM, GATED,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     else:
         acc, acc_up, sq = _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask,
-                                           n_mask, K, stride_x, stride_w, up_offset, w0, wu0,
-                                           HAS_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                                           PRECISION, PRELOAD)
+                                           n_mask, K, stride_x, stride_w, up_offset, HAS_NORM,
+                                           GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PRECISION)
     if HAS_NORM:
         rstd = tl.rsqrt(sq / K + eps)
         acc = acc * rstd[:, None]
@@ -453,8 +380,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         HAS_RES=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=plan.split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", RELEASE=pdl, WAIT=plan.early,
-        PRELOAD=plan.early and TILED_PRELOAD, launch_pdl=plan.early, num_warps=plan.warps,
-        num_stages=plan.stages)
+        launch_pdl=plan.early, num_warps=plan.warps, num_stages=plan.stages)
     return y
 
 
