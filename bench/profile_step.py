@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
 
 PHASES = ("schedule", "prepare", "launch", "sample", "read")
+SAMPLING_KERNELS = ("_slice_max_kernel", "_pick_slice_kernel")  # atom.kernels.triton_argmax
 
 
 def _timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -73,9 +74,11 @@ def phase_table(engine: Any, steps: int) -> dict[str, float]:
     return out
 
 
-def step_kernels(engine: Any, steps: int, top: int) -> list[dict[str, Any]]:
+def step_kernels(engine: Any, steps: int, top: int
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The `top` GPU activities (kernels, copies) of `steps` engine steps by time, us and
-    calls per step (torch.profiler): with profile_decode's forward, what a step adds."""
+    calls per step (torch.profiler): with profile_decode's forward, what a step adds; and
+    the last step's activities in order (last_step)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -86,14 +89,42 @@ def step_kernels(engine: Any, steps: int, top: int) -> list[dict[str, Any]]:
             engine.step()
         db._sync()
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    timeline = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             rec = per[ev.name[:80]]
             rec[0] += 1
             rec[1] += ev.device_time_total
+            timeline.append((ev.time_range.start, ev.time_range.end, ev.name[:60]))
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
     return [{"name": k, "calls": round(c / steps, 2), "us": round(u / steps, 2)}
-            for k, (c, u) in rows]
+            for k, (c, u) in rows], last_step(sorted(timeline))
+
+
+def last_step(timeline: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
+    """The GPU activities of the last whole step (after the second-to-last copy of sampled
+    ids back to the host, up to the last), with the idle time before each; the forward's
+    own kernels (Triton's `_...` and Inductor's `triton_...`, less the sampler's) folded into
+    one entry."""
+    ends = [i for i, (_, _, name) in enumerate(timeline) if "DtoH" in name]
+    if len(ends) < 2:
+        return []
+    out: list[dict[str, Any]] = []
+    prev_end = timeline[ends[-2]][1]
+    for start, end, name in timeline[ends[-2] + 1:ends[-1] + 1]:
+        forward = name.startswith(("_", "triton_")) and not name.startswith(SAMPLING_KERNELS)
+        if forward and out and out[-1]["name"] == "forward kernels":
+            out[-1]["us"] = round(end - out[-1]["start"], 2)
+            out[-1]["count"] += 1
+        else:
+            out.append({"name": "forward kernels" if forward else name, "start": start,
+                        "us": round(end - start, 2), "idle_before": round(start - prev_end, 2),
+                        "count": 1})
+        prev_end = max(prev_end, end)
+    base = out[0]["start"] - out[0]["idle_before"] if out else 0.0
+    for row in out:
+        row["start"] = round(row["start"] - base, 2)
+    return out
 
 
 def main() -> None:
@@ -121,10 +152,15 @@ def main() -> None:
                 print(f"level {args.level} {m} batch {b}: "
                       + ", ".join(f"{k} {v}" for k, v in t.items()), flush=True)
                 if args.kernels:
-                    ks = step_kernels(engine, args.steps, args.kernels)
+                    ks, step = step_kernels(engine, args.steps, args.kernels)
                     result.setdefault("kernels_us", {})[f"{m}/{b}"] = ks
+                    result.setdefault("last_step", {})[f"{m}/{b}"] = step
                     for k in ks:
                         print(f"  {k['us']:8.2f} us {k['calls']:5.2f}x {k['name']}", flush=True)
+                    print("  the last step (us: start, length, idle before):")
+                    for r in step:
+                        print(f"  {r['start']:8.2f} {r['us']:8.2f} {r['idle_before']:7.2f}  "
+                              f"{r['count']}x {r['name']}", flush=True)
                 if args.cprofile:
                     prof = cProfile.Profile()
                     prof.runcall(lambda: [engine.step() for _ in range(args.steps)])
