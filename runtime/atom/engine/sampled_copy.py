@@ -1,8 +1,8 @@
 """A launched step's sampled tokens on their way to the host (asynchronous scheduling).
 
 The engine launches a step and reads the step before it while the GPU runs (docs/architecture.md,
-"Asynchronous scheduling"), so the tokens of a step are copied into pinned host memory without
-waiting, and read once their copy's event has passed. Two buffers serve in turn: the step being
+"Asynchronous scheduling"), so the tokens of a step are written into pinned host memory by a
+kernel (atom.kernels.triton_copy) without waiting, and read once the event after it has passed. Two buffers serve in turn: the step being
 read and the step launched after it never share one, and a buffer's next use comes only after
 the engine has read it.
 """
@@ -45,14 +45,16 @@ class SampledCopier:
         """Queue the copies of tokens [n] (and logprobs [n]) on the current stream."""
         if not self._cuda:
             return SampledCopy(tokens, logprobs, None)
+        from atom.kernels.triton_copy import copy_to_host
+
         n, turn = tokens.shape[0], self._turn
         self._turn ^= 1
         host_tokens = self._tokens[turn][:n]
-        host_tokens.copy_(tokens, non_blocking=True)
+        copy_to_host(tokens, host_tokens)  # by the SMs: a copy engine's turn idled the GPU
         host_lps = None
         if logprobs is not None:
             host_lps = self._logprobs[turn][:n]
-            host_lps.copy_(logprobs, non_blocking=True)
+            copy_to_host(logprobs.contiguous(), host_lps)
         event = torch.cuda.Event()
         event.record()
         return SampledCopy(host_tokens, host_lps, event)

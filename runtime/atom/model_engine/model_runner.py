@@ -198,10 +198,15 @@ class ModelRunner:
             src = staging.put("pending_src", pending.src)
         staging.flush()
         if pending is not None:
-            if resolve:
+            n = len(pending.rows)
+            if input_ids.is_cuda:  # a kernel: a device-to-device copy idled the GPU around it
+                from atom.kernels.triton_copy import take_rows
+
+                take_rows(input_ids, pending.tokens, *((dst, src) if resolve else ()), n=n)
+            elif resolve:
                 input_ids.index_copy_(0, dst, pending.tokens.index_select(0, src))
             else:  # steady decode: the same sequences in the same order as the last step
-                input_ids[:len(pending.rows)].copy_(pending.tokens[:len(pending.rows)])
+                input_ids[:n].copy_(pending.tokens[:n])
         bt = self.forward_vars["block_tables"]
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
