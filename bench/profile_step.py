@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
 
 PHASES = ("schedule", "prepare", "launch", "sample", "read")
-SAMPLING_KERNELS = ("_slice_max_kernel", "_pick_slice_kernel")  # atom.kernels.triton_argmax
+# The step's own kernels around the forward: atom.kernels.triton_argmax and triton_copy.
+STEP_KERNELS = ("_slice_max_kernel", "_pick_slice_kernel", "_take_rows_kernel")
+# A step's last GPU activity: the sampled ids' copy to the host (a kernel since 9ca300d).
+STEP_ENDS = ("_copy_kernel", "Memcpy DtoH")
 
 
 def _timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,16 +106,17 @@ def step_kernels(engine: Any, steps: int, top: int
 
 def last_step(timeline: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
     """The GPU activities of the last whole step (after the second-to-last copy of sampled
-    ids back to the host, up to the last), with the idle time before each; the forward's
-    own kernels (Triton's `_...` and Inductor's `triton_...`, less the sampler's) folded into
+    ids to the host, up to the last), with the idle time before each; the forward's
+    own kernels (Triton's `_...` and Inductor's `triton_...`, less the step's) folded into
     one entry."""
-    ends = [i for i, (_, _, name) in enumerate(timeline) if "DtoH" in name]
+    ends = [i for i, (_, _, name) in enumerate(timeline) if name.startswith(STEP_ENDS)]
     if len(ends) < 2:
         return []
     out: list[dict[str, Any]] = []
     prev_end = timeline[ends[-2]][1]
     for start, end, name in timeline[ends[-2] + 1:ends[-1] + 1]:
-        forward = name.startswith(("_", "triton_")) and not name.startswith(SAMPLING_KERNELS)
+        forward = (name.startswith(("_", "triton_"))
+                   and not name.startswith(STEP_KERNELS + STEP_ENDS))
         if forward and out and out[-1]["name"] == "forward kernels":
             out[-1]["us"] = round(end - out[-1]["start"], 2)
             out[-1]["count"] += 1
