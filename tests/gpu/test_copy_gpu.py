@@ -30,6 +30,9 @@ def test_copy_to_host_refuses_pageable_memory_or_another_size() -> None:
         copy_to_host(src, torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="pinned"):
         copy_to_host(src, torch.zeros(5, dtype=torch.long, pin_memory=True))
+    strided = torch.zeros(8, dtype=torch.long, device="cuda")[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_to_host(strided, torch.zeros(4, dtype=torch.long, pin_memory=True))
 
 
 def test_take_rows_in_order_and_by_index() -> None:

@@ -2,9 +2,9 @@
 
 The engine launches a step and reads the step before it while the GPU runs (docs/architecture.md,
 "Asynchronous scheduling"), so the tokens of a step are written into pinned host memory by a
-kernel (atom.kernels.triton_copy) without waiting, and read once the event after it has passed. Two buffers serve in turn: the step being
-read and the step launched after it never share one, and a buffer's next use comes only after
-the engine has read it.
+kernel (atom.kernels.triton_copy) without waiting, and read once the event after it has
+passed. Two buffers serve in turn: the step being read and the step launched after it never
+share one, and a buffer's next use comes only after the engine has read it.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ def copy_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     dtype (written by the SMs through the device's mapping of it)."""
     if not dst.is_pinned() or src.dtype != dst.dtype or src.numel() != dst.numel():
         raise ValueError("copy_to_host needs pinned host memory of the source's size and dtype")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_to_host copies contiguous tensors only")
     n = src.numel()
     if n:
         _copy_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK)
