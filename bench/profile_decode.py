@@ -16,13 +16,10 @@ import importlib
 import json
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
@@ -46,14 +43,7 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
             for _ in range(iters):
                 runner.run_model(input_ids, idx)
             db._sync()
-    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    timeline = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            rec = per[ev.name[:90]]
-            rec[0] += 1
-            rec[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time
-            timeline.append(st.Kernel(ev.name[:90], ev.time_range.start, ev.time_range.end))
+    per, timeline = st.gpu_activities(prof.events())
     total = sum(v[1] for v in per.values()) / iters
     rows = sorted(((k, v[0] / iters, v[1] / iters) for k, v in per.items()),
                   key=lambda r: -r[2])

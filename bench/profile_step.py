@@ -27,10 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_bench as db  # noqa: E402
+import step_timeline as st  # noqa: E402
 
 PHASES = ("schedule", "prepare", "launch", "sample", "read")
 # The step's own kernels around the forward: atom.kernels.triton_argmax and triton_copy.
@@ -91,30 +90,23 @@ def step_kernels(engine: Any, steps: int, top: int
         for _ in range(steps):
             engine.step()
         db._sync()
-    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    timeline = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            rec = per[ev.name[:80]]
-            rec[0] += 1
-            rec[1] += ev.device_time_total
-            timeline.append((ev.time_range.start, ev.time_range.end, ev.name[:60]))
+    per, timeline = st.gpu_activities(prof.events())
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
     return [{"name": k, "calls": round(c / steps, 2), "us": round(u / steps, 2)}
-            for k, (c, u) in rows], last_step(sorted(timeline))
+            for k, (c, u) in rows], last_step(sorted(timeline, key=lambda k: k.start_us))
 
 
-def last_step(timeline: list[tuple[float, float, str]]) -> list[dict[str, Any]]:
+def last_step(timeline: list[st.Kernel]) -> list[dict[str, Any]]:
     """The GPU activities of the last whole step (after the second-to-last copy of sampled
     ids to the host, up to the last), with the idle time before each; the forward's
     own kernels (Triton's `_...` and Inductor's `triton_...`, less the step's) folded into
     one entry."""
-    ends = [i for i, (_, _, name) in enumerate(timeline) if name.startswith(STEP_ENDS)]
+    ends = [i for i, k in enumerate(timeline) if k.name.startswith(STEP_ENDS)]
     if len(ends) < 2:
         return []
     out: list[dict[str, Any]] = []
-    prev_end = timeline[ends[-2]][1]
-    for start, end, name in timeline[ends[-2] + 1:ends[-1] + 1]:
+    prev_end = timeline[ends[-2]].end_us
+    for name, start, end in timeline[ends[-2] + 1:ends[-1] + 1]:
         forward = (name.startswith(("_", "triton_"))
                    and not name.startswith(STEP_KERNELS + STEP_ENDS))
         if forward and out and out[-1]["name"] == "forward kernels":

@@ -14,15 +14,33 @@ layer, when a step's launches of the name are a multiple of the layer count.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from statistics import median
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Kernel(NamedTuple):
     name: str
     start_us: float
     end_us: float
+
+
+def gpu_activities(events: Iterable[Any], name_chars: int = 90
+                   ) -> tuple[dict[str, list[float]], list[Kernel]]:
+    """A torch.profiler run's CUDA activities: per name [calls, total us], and each one as a
+    Kernel (name cut to name_chars), in the profiler's order."""
+    import torch
+
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    timeline = []
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name[:name_chars]
+            per[name][0] += 1
+            per[name][1] += (ev.device_time_total if hasattr(ev, "device_time_total")
+                             else ev.cuda_time)
+            timeline.append(Kernel(name, ev.time_range.start, ev.time_range.end))
+    return per, timeline
 
 
 def steps(kernels: Sequence[Kernel], per_step: int) -> list[list[Kernel]]:

@@ -35,3 +35,22 @@ def test_steps_split_in_start_order_and_medians_per_label() -> None:
     assert charged == [("x", 3), ("y", 2)]  # x: 4, 2, 3; y: 2, 3, 2
     with pytest.raises(ValueError, match="do not split"):
         steps(kernels, 4)
+
+
+def test_gpu_activities_count_cuda_events_by_name() -> None:
+    import torch
+
+    from step_timeline import gpu_activities
+
+    class Event:
+        def __init__(self, name: str, cuda: bool, start: float, end: float) -> None:
+            self.name, self.device_time_total = name, end - start
+            self.device_type = (torch.autograd.DeviceType.CUDA if cuda
+                                else torch.autograd.DeviceType.CPU)
+            self.time_range = type("Range", (), {"start": start, "end": end})()
+
+    events = [Event("gemv", True, 0, 4), Event("host op", False, 0, 9), Event("gemv", True, 5, 7),
+              Event("x" * 100, True, 8, 9)]
+    per, timeline = gpu_activities(events, name_chars=10)
+    assert per == {"gemv": [2, 6], "x" * 10: [1, 1]}
+    assert timeline == [Kernel("gemv", 0, 4), Kernel("gemv", 5, 7), Kernel("x" * 10, 8, 9)]
