@@ -148,7 +148,6 @@ def fill_batch(engine, batch: int, context: int) -> None:
         if all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) \
                 and not engine.scheduler.waiting:
             break
-    engine.read_launched()
 
 
 @contextmanager
@@ -190,7 +189,7 @@ def time_forward(engine, iters: int) -> float:
 
 def time_steps(engine, steps: int, asynchronous: bool = True) -> float:
     """ms per LLMEngine.step() over `steps` steps, from one synchronisation to the next."""
-    engine.async_scheduling = asynchronous
+    saved, engine.async_scheduling = engine.async_scheduling, asynchronous
     try:
         for _ in range(2):
             engine.step()
@@ -201,7 +200,7 @@ def time_steps(engine, steps: int, asynchronous: bool = True) -> float:
         _sync()  # asynchronous: the last step has run, though not yet read
         return (time.perf_counter() - t0) / steps * 1e3
     finally:
-        engine.async_scheduling = True
+        engine.async_scheduling = saved
 
 
 @contextmanager
@@ -370,13 +369,10 @@ def table(result: dict[str, Any]) -> str:
                  + " | ".join(f"{result['bound_ms'][str(b)]:.3f}" for b in batches) + " |")
     for level, data in result["levels"].items():
         for mode, per in data["modes"].items():
-            lines.append(f"| level {level} {mode} forward | "
-                         + " | ".join(f"{per[str(b)]['forward_ms']:.3f}" for b in batches) + " |")
-            lines.append(f"| level {level} {mode} engine step | "
-                         + " | ".join(f"{per[str(b)]['step_ms']:.3f}" for b in batches) + " |")
-            lines.append(f"| level {level} {mode} engine step, synchronous | "
-                         + " | ".join(f"{per[str(b)]['step_sync_ms']:.3f}" for b in batches)
-                         + " |")
+            for key, what in (("forward_ms", "forward"), ("step_ms", "engine step"),
+                              ("step_sync_ms", "engine step, synchronous")):
+                lines.append(f"| level {level} {mode} {what} | "
+                             + " | ".join(f"{per[str(b)][key]:.3f}" for b in batches) + " |")
     if result.get("transformers"):
         hf = result["transformers"]
         lines.append("| transformers static cache + compile | "
