@@ -9,7 +9,10 @@ gate_up with norm and gate, down_proj + residual) in one graph, as a decode step
 with the default tiles and with the same tiles on one accumulator (no K split); per layer,
 beside the layer's weight bytes over the measured copy rate.
 
-    python bench/norm_gemv_sweep.py --out sweep.json [--rows 1 8] [--skip-tiles]
+Logits (--lm-head): the vocabulary projection (tied embeddings) by cuBLAS, as the engine
+runs it, against the tiled kernel per tile configuration, plain and with the final norm.
+
+    python bench/norm_gemv_sweep.py --out sweep.json [--rows 1 8] [--skip-tiles] [--lm-head]
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ CONFIGS = {
           (16, 256, 4, 6, 4)],
     "down": [(16, 512, 4, 3, 1), (16, 512, 4, 3, 4), (16, 1024, 4, 3, 4), (16, 1024, 8, 3, 8),
              (16, 512, 8, 4, 8)],
+    "lm_head": [(32, 256, 4, 4, 4), (64, 256, 4, 4, 4), (64, 128, 4, 6, 1), (128, 128, 8, 3, 1),
+                (32, 512, 4, 3, 4), (16, 256, 4, 6, 4), (64, 512, 8, 3, 8)],
 }
 
 
@@ -48,6 +53,7 @@ CONFIGS = {
 _CONFIG = load_model_config(MODEL)
 SHAPES = projection_shapes(_CONFIG)  # name -> (weight rows, K)
 HIDDEN, LAYERS = _CONFIG.hidden_size, _CONFIG.num_hidden_layers
+VOCAB = _CONFIG.vocab_size
 Q = SHAPES["o"][1]  # o_proj reads the query heads
 
 
@@ -92,8 +98,9 @@ def chain(kernels: Any, rows: list[int]) -> dict[str, Any]:
                            "bound_us_per_layer": round(layer_bytes / rate * 1e6, 2), "rows": {}}
     default_config = kernels._config
 
-    def single_accumulator(n: int, k: int, gated: bool, *rest: Any) -> tuple[int, ...]:
-        return (*default_config(n, k, gated, *rest)[:4], 1)
+    def single_accumulator(n: int, k: int, gated: bool, *rest: Any, **kw: Any
+                           ) -> tuple[int, ...]:
+        return (*default_config(n, k, gated, *rest, **kw)[:4], 1)
 
     variants = {"single accumulator": single_accumulator, "split K (default)": default_config}
     for m in rows:
@@ -123,6 +130,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--skip-tiles", action="store_true", help="only the 16-layer chain")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="also the logits' projection, cuBLAS against the tiled kernel")
     args = ap.parse_args()
     # name: variants; o and down carry the residual add.
     variant_names = {"qkv": ("plain", "norm"), "gate_up": ("plain", "norm"), "o": ("res",),
@@ -130,9 +139,12 @@ def main() -> None:
     default_config = kernels._config
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": {},
                               "chain": chain(kernels, args.rows)}
-    for m in [] if args.skip_tiles else args.rows:
+    shapes = {**({} if args.skip_tiles else SHAPES),
+              **({"lm_head": (VOCAB, HIDDEN)} if args.lm_head else {})}
+    variant_names["lm_head"] = ("plain", "norm")
+    for m in args.rows if shapes else []:
         res = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k) in shapes.items():
             gated, vnames = name == "gate_up", variant_names[name]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
@@ -144,7 +156,7 @@ def main() -> None:
                 lambda x=x, t=turn: F.linear(x, next(t))), 2)}
             variants = {"plain": (None, None), "norm": (None, nw), "res": (res, None)}
             for cfg in CONFIGS[name]:
-                kernels._config = lambda *a, c=cfg: c  # noqa: E731 - the tile under test
+                kernels._config = lambda *a, c=cfg, **kw: c  # noqa: E731 - the tile under test
                 for vname in vnames:
                     r, norm_w = variants[vname]
                     try:

@@ -11,6 +11,8 @@ one), and the rest of the step.
         [--sync]          # Config.async_scheduling off: each step ends with its tokens read
         [--cprofile 30]   # also the host functions taking the most time (cProfile, own time)
         [--kernels 12]    # also the GPU work of a step outside the forward's kernels
+        [--staging kernel copies]  # the inputs staged by the kernel reading the host mirrors
+                                   # and/or by copy-engine copies, alternately, in one run
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import decode_bench as db  # noqa: E402
 import step_timeline as st  # noqa: E402
 
 PHASES = ("schedule", "prepare", "launch", "sample", "read")
-# The step's own kernels around the forward: atom.kernels.triton_argmax and triton_copy.
-STEP_KERNELS = ("_slice_max_kernel", "_pick_slice_kernel", "_take_rows_kernel")
-# A step's last GPU activity: the sampled ids' copy to the host (a kernel since 9ca300d).
-STEP_ENDS = ("_copy_kernel", "Memcpy DtoH")
+# The step's own kernels around the forward: atom.kernels.triton_copy's staging of the inputs.
+STEP_KERNELS = ("_stage_kernel",)
+# A greedy step's last GPU activity (the bench's steps are greedy): the argmax, which also
+# writes the sampled ids into pinned host memory; before that a copy to the host.
+STEP_ENDS = ("_argmax_kernel", "_copy_kernel", "Memcpy DtoH")
 
 
 def _timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -131,8 +134,12 @@ def main() -> None:
                     help="also list the N GPU activities taking the most time per step")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over the steps")
+    ap.add_argument("--staging", nargs="+", choices=["kernel", "copies"], default=["kernel"],
+                    help="how the step's inputs reach the device (host_staging."
+                         "DEVICE_READS_MIRRORS); several: each in turn, keys suffixed /NAME")
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
+    from atom.model_engine import host_staging
 
     engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us")
     engine.async_scheduling = not args.sync
@@ -141,16 +148,18 @@ def main() -> None:
                for m in args.modes}
     for b in args.batches:
         with db.filled_batch(engine, b, args.context):
-            for m in args.modes:
+            for m, staging in ((m, s) for m in args.modes for s in args.staging):
+                host_staging.DEVICE_READS_MIRRORS = staging == "kernel"
+                key = f"{m}/{b}" + (f"/{staging}" if len(args.staging) > 1 else "")
                 engine.runner.graph_runner = runners[m]
                 t = phase_table(engine, args.steps)
-                result["phases_us"][f"{m}/{b}"] = t
-                print(f"level {args.level} {m} batch {b}: "
+                result["phases_us"][key] = t
+                print(f"level {args.level} {key}: "
                       + ", ".join(f"{k} {v}" for k, v in t.items()), flush=True)
                 if args.kernels:
                     ks, step = step_kernels(engine, args.steps, args.kernels)
-                    result.setdefault("kernels_us", {})[f"{m}/{b}"] = ks
-                    result.setdefault("last_step", {})[f"{m}/{b}"] = step
+                    result.setdefault("kernels_us", {})[key] = ks
+                    result.setdefault("last_step", {})[key] = step
                     for k in ks:
                         print(f"  {k['us']:8.2f} us {k['calls']:5.2f}x {k['name']}", flush=True)
                     print("  the last step (us: start, length, idle before):")
@@ -164,6 +173,7 @@ def main() -> None:
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(
                         args.cprofile)
                     print(text.getvalue(), flush=True)
+    result["staging"] = args.staging
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 

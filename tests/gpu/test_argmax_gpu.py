@@ -1,12 +1,14 @@
-"""The two-launch row argmax (atom.kernels.triton_argmax) against torch.argmax: the same
+"""The one-launch row argmax (atom.kernels.triton_argmax) against torch.argmax: the same
 first index of the maximum, for vocabularies on and off the slice width, ties inside and
-across slices, bf16 and fp32, and from a CUDA graph."""
+across slices, bf16 and fp32, and from a CUDA graph; the copy into pinned host memory, and
+the arrival counters left at zero."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from atom.kernels import triton_argmax
 from atom.kernels.triton_argmax import CHUNK, argmax_rows
 
 pytestmark = [
@@ -22,6 +24,20 @@ def test_matches_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) -> None
     gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
     x = torch.randn(rows, vocab, generator=gen, device="cuda").to(dtype)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    held = triton_argmax._COUNTERS[x.device]
+    assert not any(c.any() for c in held), "counters left armed"
+
+
+def test_writes_the_host_copy() -> None:
+    x = torch.randn(8, 128256, device="cuda").bfloat16()
+    host = torch.full((8,), -1, dtype=torch.long, pin_memory=True)
+    out = argmax_rows(x, host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, out.cpu()) and torch.equal(out, x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="pinned"):
+        argmax_rows(x, torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[8\]"):
+        argmax_rows(x, torch.zeros(9, dtype=torch.long, pin_memory=True))
 
 
 def test_ties_resolve_to_the_first_index() -> None:

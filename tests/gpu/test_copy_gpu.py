@@ -1,12 +1,13 @@
 """The step's small copies done by kernels (atom.kernels.triton_copy): sampled ids into pinned
-host memory, and into the next step's token rows, in order or through row/source indices."""
+host memory, and the step's inputs from pinned host mirrors, with placeholders replaced by the
+sampled ids."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from atom.kernels.triton_copy import copy_to_host, take_rows
+from atom.kernels.triton_copy import BLOCK, MAX_SEGMENTS, copy_to_host, stage_to_device
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,14 +36,48 @@ def test_copy_to_host_refuses_pageable_memory_or_another_size() -> None:
         copy_to_host(strided, torch.zeros(4, dtype=torch.long, pin_memory=True))
 
 
-def test_take_rows_in_order_and_by_index() -> None:
-    tokens = torch.tensor([101, 102, 103, 104], device="cuda")
-    ids = torch.full((8,), -1, dtype=torch.long, device="cuda")
-    take_rows(ids, tokens, n=3)
-    assert ids.tolist() == [101, 102, 103, -1, -1, -1, -1, -1]
-    rows = torch.tensor([5, 0], device="cuda")
-    src = torch.tensor([3, 1], device="cuda")
-    take_rows(ids, tokens, rows, src, n=2)
-    assert ids.tolist() == [102, 102, 103, -1, -1, 104, -1, -1]
-    take_rows(ids, tokens, n=0)  # nothing to do
-    assert ids.tolist() == [102, 102, 103, -1, -1, 104, -1, -1]
+def _pair(dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    host = (torch.arange(n) * 10).to(dtype).pin_memory()
+    return host, torch.full((n,), -5, dtype=dtype, device="cuda")
+
+
+def test_stage_to_device_copies_only_the_segments() -> None:
+    longs, ints = _pair(torch.long, 3 * BLOCK), _pair(torch.int32, 64)
+    # a segment longer than a block, a short one, an empty one, then two in the int32 buffer
+    segments = [(0, 0, BLOCK + 3), (0, 2 * BLOCK, 2), (0, 2 * BLOCK + 10, 0), (1, 4, 3),
+                (1, 40, 1)]
+    stage_to_device([longs, ints], segments)
+    torch.cuda.synchronize()
+    expect_l = torch.full((3 * BLOCK,), -5, dtype=torch.long)
+    expect_l[:BLOCK + 3] = longs[0][:BLOCK + 3]
+    expect_l[2 * BLOCK:2 * BLOCK + 2] = longs[0][2 * BLOCK:2 * BLOCK + 2]
+    expect_i = torch.full((64,), -5, dtype=torch.int32)
+    expect_i[4:7] = ints[0][4:7]
+    expect_i[40] = ints[0][40]
+    assert torch.equal(longs[1].cpu(), expect_l) and torch.equal(ints[1].cpu(), expect_i)
+
+
+def test_stage_to_device_fills_placeholders_in_the_gathered_segment_only() -> None:
+    host = torch.tensor([-2, 5, -1, -3, -1, -1], dtype=torch.long).pin_memory()
+    dev = torch.zeros(6, dtype=torch.long, device="cuda")
+    tokens = torch.tensor([101, 102, 103], device="cuda")
+    stage_to_device([(host, dev)], [(0, 0, 4), (0, 4, 2)], gather=(0, tokens))
+    torch.cuda.synchronize()
+    assert dev.tolist() == [102, 5, 101, 103, -1, -1]  # the second segment keeps its -1s
+    # the gathered segment empty: nothing is filled, the rest is still copied
+    dev.zero_()
+    stage_to_device([(host, dev)], [(0, 0, 0), (0, 4, 2)], gather=(0, tokens))
+    torch.cuda.synchronize()
+    assert dev.tolist() == [0, 0, 0, 0, -1, -1]
+
+
+def test_stage_to_device_refuses_what_it_cannot_read() -> None:
+    dev = torch.zeros(4, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="pinned"):
+        stage_to_device([(torch.zeros(4, dtype=torch.long), dev)], [(0, 0, 4)])
+    host = torch.zeros(4, dtype=torch.long).pin_memory()
+    with pytest.raises(ValueError, match="segments"):
+        stage_to_device([(host, dev)], [(0, 0, 1)] * (MAX_SEGMENTS + 1))
+    ints = _pair(torch.int32, 4)
+    with pytest.raises(ValueError, match="first buffer"):
+        stage_to_device([(host, dev), ints], [(1, 0, 1), (0, 0, 1)])

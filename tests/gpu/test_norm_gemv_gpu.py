@@ -56,6 +56,19 @@ def test_linear_add_matches_unfused_math(rows: int, k: int, bias: bool) -> None:
     _close(out, ref)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16, 17])
+def test_logits_projection_matches_cublas(rows: int) -> None:
+    """The vocabulary-sized projection (compute_logits at decode sizes: the kernel's own tile
+    for vocabulary rows), against cuBLAS in fp32, with a row count on each side of the limit;
+    an odd vocabulary leaves the last strip partial."""
+    from atom.layers.norm_linear import project
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    vocab = 128256 + 5
+    x, w = _randn(gen, rows, HIDDEN), _randn(gen, vocab, HIDDEN, scale=HIDDEN ** -0.5)
+    _close(project(x, w, None), x.float() @ w.float().t())
+
+
 @pytest.mark.parametrize("op", ["norm_linear", "norm_linear_gated", "linear_add"])
 def test_replays_in_a_cuda_graph(op: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)

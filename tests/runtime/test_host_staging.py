@@ -1,12 +1,17 @@
 """HostStaging: a step's inputs written through persistent host mirrors into packed device
-buffers, two copies a step."""
+buffers, by one kernel reading the mirrors (or one copy per dtype), with token placeholders
+filled in on the device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from atom.model_engine.host_staging import HostStaging
+from atom.model_engine import host_staging
+from atom.model_engine.host_staging import HostStaging, fill_placeholders
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs CUDA (pinned mirrors, staging kernel)")
 
 
 def _staging(device: str) -> HostStaging:
@@ -15,22 +20,29 @@ def _staging(device: str) -> HostStaging:
                        torch.device(device))
 
 
-def _write(staging: HostStaging, ids: list[int], rows: list[list[int]]) -> torch.Tensor:
+def _write(staging: HostStaging, ids: list[int], rows: list[list[int]],
+           tokens: torch.Tensor | None = None) -> torch.Tensor:
     staging.begin()
     out = staging.put("ids", ids)
     staging.put("slots", [-1] * len(ids))
     staging.put("lens", [len(r) for r in rows])
     staging.put_rows("table", rows)
-    staging.flush()
+    staging.flush(gather=("ids", tokens) if tokens is not None else None)
     return out
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA (pinned mirrors, async copies)")]),
-])
-def test_put_writes_the_front_and_the_rest_keeps_earlier_values(device: str) -> None:
+# (device, whether the staging kernel reads the mirrors; False: copy-engine copies)
+PATHS = [
+    pytest.param("cpu", False, id="cpu"),
+    pytest.param("cuda", True, id="cuda-kernel", marks=[pytest.mark.gpu, CUDA]),
+    pytest.param("cuda", False, id="cuda-copies", marks=[pytest.mark.gpu, CUDA]),
+]
+
+
+@pytest.mark.parametrize(("device", "kernel"), PATHS)
+def test_put_writes_the_front_and_the_rest_keeps_earlier_values(
+        device: str, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_staging, "DEVICE_READS_MIRRORS", kernel)
     staging = _staging(device)
     bufs = staging.buffers
     ptrs = {k: v.data_ptr() for k, v in bufs.items()}
@@ -48,12 +60,43 @@ def test_put_writes_the_front_and_the_rest_keeps_earlier_values(device: str) -> 
     assert {k: v.data_ptr() for k, v in bufs.items()} == ptrs
 
 
+@pytest.mark.parametrize(("device", "kernel"), PATHS)
+def test_placeholders_take_the_sampled_tokens_on_the_device(
+        device: str, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-(j + 1) in the token field becomes tokens[j], in any row order; other fields' negative
+    values (padding slots) and the field's tail are left alone."""
+    monkeypatch.setattr(host_staging, "DEVICE_READS_MIRRORS", kernel)
+    staging = _staging(device)
+    tokens = torch.tensor([101, 102, 103], device=device)
+    _write(staging, [9, 9, 9, 9, 9], [[1]])
+    out = _write(staging, [-3, 7, -1], [[2]], tokens)
+    assert out.tolist() == [103, 7, 101]
+    assert staging.buffers["ids"].tolist()[3:5] == [9, 9]
+    assert staging.buffers["slots"][:3].tolist() == [-1, -1, -1]
+    # the host mirror keeps the placeholders: only the device holds the tokens
+    assert staging._arrays["ids"][:3].tolist() == ([103, 7, 101] if device == "cpu"
+                                                   else [-3, 7, -1])
+    out = _write(staging, [-2, -2], [], tokens)  # rows may share a source
+    assert out.tolist() == [102, 102]
+
+
+def test_fill_placeholders_leaves_ids_without_any() -> None:
+    ids = torch.tensor([4, 0, 5])
+    fill_placeholders(ids, torch.tensor([7]))
+    assert ids.tolist() == [4, 0, 5]
+    fill_placeholders(ids, torch.empty(0, dtype=torch.long))  # nothing sampled: nothing to fill
+    assert ids.tolist() == [4, 0, 5]
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (async copies)")
-def test_a_mirror_is_not_rewritten_before_its_copy_ran() -> None:
-    """The first copy waits behind a long kernel; the second step's begin() must wait for it
-    before overwriting the host mirror, or the device would receive the second step's values
-    in the first step's place."""
+@CUDA
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_mirror_is_not_rewritten_before_its_copy_ran(
+        kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step's staging waits behind a long kernel; the second step's begin() must
+    wait for it before overwriting the host mirror, or the device would receive the second
+    step's values in the first step's place."""
+    monkeypatch.setattr(host_staging, "DEVICE_READS_MIRRORS", kernel)
     staging = _staging("cuda")
     bufs = staging.buffers
     assert all(h.is_pinned() for h in staging._host.values())

@@ -249,7 +249,8 @@ class LLMEngine:
             seq.num_scheduled_tokens = 0
         if not to_sample:
             return None
-        tokens, logprobs = self.sampler.sample(logits, to_sample)
+        host_tokens = self._copier.next_tokens(len(to_sample))
+        tokens, logprobs = self.sampler.sample(logits, to_sample, host_tokens)
         slots: list[int | None] = []
         for i, seq in enumerate(to_sample):
             if self._ends_by_length(seq, seq.num_tokens + 1):
@@ -258,7 +259,8 @@ class LLMEngine:
                 slots.append(seq.num_tokens)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.pending_src = i
-        return LaunchedStep(to_sample, slots, tokens, self._copier.start(tokens, logprobs))
+        copy = self._copier.start(tokens, logprobs, tokens_on_host=host_tokens is not None)
+        return LaunchedStep(to_sample, slots, tokens, copy)
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
         """Put a launched step's tokens in their sequences; finish those they end."""

@@ -41,8 +41,15 @@ class SampledCopier:
             self._logprobs = [torch.empty(capacity, dtype=torch.float32, pin_memory=True)
                               for _ in range(2)]
 
-    def start(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> SampledCopy:
-        """Queue the copies of tokens [n] (and logprobs [n]) on the current stream."""
+    def next_tokens(self, n: int) -> torch.Tensor | None:
+        """The pinned buffer [n] the next start() reads the token ids from, for the sampler to
+        write into directly (None on the CPU)."""
+        return self._tokens[self._turn][:n] if self._cuda else None
+
+    def start(self, tokens: torch.Tensor, logprobs: torch.Tensor | None,
+              tokens_on_host: bool = False) -> SampledCopy:
+        """Queue the copies of tokens [n] (and logprobs [n]) on the current stream;
+        tokens_on_host: the token ids are already queued into next_tokens(n)."""
         if not self._cuda:
             return SampledCopy(tokens, logprobs, None)
         from atom.kernels.triton_copy import copy_to_host
@@ -50,7 +57,8 @@ class SampledCopier:
         n, turn = tokens.shape[0], self._turn
         self._turn ^= 1
         host_tokens = self._tokens[turn][:n]
-        copy_to_host(tokens, host_tokens)  # by the SMs: a copy engine's turn idled the GPU
+        if not tokens_on_host:
+            copy_to_host(tokens, host_tokens)  # by the SMs: a copy engine's turn idled the GPU
         host_lps = None
         if logprobs is not None:
             host_lps = self._logprobs[turn][:n]

@@ -31,13 +31,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, sorted_idx, masked)
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def _argmax(x: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
     """x.argmax(dim=-1) of 2-D x; on CUDA through atom.kernels.triton_argmax (a vocabulary
-    row in one torch reduction costs 35 us on the H200, there about 3)."""
+    row in one torch reduction costs 35 us on the H200, there about 3), which also writes
+    host (pinned) when given."""
     if x.is_cuda:
         from atom.kernels.triton_argmax import argmax_rows
 
-        return argmax_rows(x)
+        return argmax_rows(x, host)
     return x.argmax(dim=-1)
 
 
@@ -56,15 +57,18 @@ class Sampler:
         return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               host_tokens: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token ids [n] (int64) and, when any request asks, logprobs [n] (fp32) of the n
-        rows, on the logits' device; nothing waits for the GPU."""
+        rows, on the logits' device; nothing waits for the GPU. host_tokens (pinned int64
+        [n], CUDA only): the token ids are also written there, on the stream."""
         n = len(seqs)
         logits = logits[:n]
         params = [s.params for s in seqs]
-        tokens = _argmax(logits)
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        # An all-greedy step's argmax writes the host copy itself (no copy kernel after it).
+        tokens = _argmax(logits, None if sample_rows else host_tokens)
         if sample_rows:
             rows = self._rows_tensor(sample_rows, torch.long)
             sub = logits[rows].float()
@@ -82,6 +86,10 @@ class Sampler:
             drawn = _argmax(probs / noise)
             tokens = tokens.clone()
             tokens[rows] = drawn
+            if host_tokens is not None:
+                from atom.kernels.triton_copy import copy_to_host
+
+                copy_to_host(tokens, host_tokens)
         if not any(p.logprobs for p in params):
             return tokens, None
         lp = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None])

@@ -22,3 +22,14 @@ def sm_resources(device: torch.device) -> tuple[int, int]:
     """(SMs, shared-memory bytes per SM) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
     return props.multi_processor_count, props.shared_memory_per_multiprocessor
+
+
+def zeroed_counters(held: dict[torch.device, list[torch.Tensor]], device: torch.device, n: int,
+                    minimum: int) -> torch.Tensor:
+    """At least n int32 arrival counters on device, zero between launches (each launch's last
+    arriving program re-arms its own). Never freed or replaced while graphs may hold their
+    address: a larger need allocates another buffer and keeps the old ones alive in held."""
+    buffers = held.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, minimum), dtype=torch.int32, device=device))
+    return buffers[-1]

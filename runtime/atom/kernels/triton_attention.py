@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from atom.kernels.launch import programmatic_launch
+from atom.kernels.launch import programmatic_launch, zeroed_counters
 from atom.kernels.triton_norm_gemv import MAX_ROWS
 from atom.layers.rotary import Rope
 
@@ -443,18 +443,13 @@ class StepKV(NamedTuple):
     slot_mapping: torch.Tensor
 
 
-# Arrival counters of the in-kernel split combine, one per (row, kv head), zero between
-# launches (the combining program re-arms its own). Never freed or replaced while graphs may
-# hold their address: a larger need allocates another buffer and keeps the old one alive.
+# Arrival counters of the in-kernel split combine, one per (row, kv head): launch.zeroed_counters.
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 _MIN_COUNTERS = 1 << 16  # 8192 decode rows of 8 kv heads: allocated once, before any capture
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
-    return held[-1]
+    return zeroed_counters(_COUNTERS, device, n, _MIN_COUNTERS)
 
 
 class DecodeLaunch(NamedTuple):

@@ -1,10 +1,11 @@
 """Small copies of a step done by kernels, not by the copy engines.
 
 In an asynchronous decode step (bench/profile_step.py --kernels, the last step's timeline) each
-switch between a copy engine and the SMs left the GPU idle for 2.5 to 8.6 us: the sampled ids'
-copy back to the host, and the device-to-device copy of those ids into the next step's token
-row, each sat between two such switches. A kernel doing the same work runs on the SMs in
-stream order, like the kernels around it.
+switch between a copy engine and the SMs left the GPU idle for 2.5 to 8.6 us: the step's input
+copies up from the host mirrors, the sampled ids' copy back to the host, and the copy of those
+ids into the next step's token rows, each sat between two such switches. A kernel doing the
+same work runs on the SMs in stream order, like the kernels around it, and reads or writes
+pinned host memory through the device's mapping of it.
 """
 
 from __future__ import annotations
@@ -23,20 +24,6 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
-@triton.jit
-def _take_rows_kernel(ids_ptr, tokens_ptr, rows_ptr, src_ptr, n, IN_ORDER: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    if IN_ORDER:
-        rows = offs
-        src = offs
-    else:
-        rows = tl.load(rows_ptr + offs, mask=mask, other=0)
-        src = tl.load(src_ptr + offs, mask=mask, other=0)
-    tl.store(ids_ptr + rows, tl.load(tokens_ptr + src, mask=mask), mask=mask)
-
-
 def copy_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst[:] = src, src a contiguous CUDA tensor, dst pinned host memory of the same size and
     dtype (written by the SMs through the device's mapping of it)."""
@@ -49,12 +36,78 @@ def copy_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
         _copy_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK)
 
 
-def take_rows(ids: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None,
-              src: torch.Tensor | None = None, n: int = 0) -> None:
-    """ids[rows[i]] = tokens[src[i]] for i < n (rows and src on the device); without them,
-    ids[i] = tokens[i] for i < n."""
-    if n:
-        in_order = rows is None
-        _take_rows_kernel[(triton.cdiv(n, BLOCK),)](
-            ids, tokens, ids if in_order else rows, ids if in_order else src, n,
-            IN_ORDER=in_order, BLOCK=BLOCK)
+# The staging kernel's segments: up to MAX_SEGMENTS (start, length) pairs, passed as scalars
+# (reading a descriptor from host memory first would add a round trip over the bus).
+MAX_SEGMENTS = 8
+_SEGMENT_ARGS = [f"{kind}{i}" for i in range(MAX_SEGMENTS) for kind in ("start", "n")]
+
+
+@triton.jit
+def _nth(i, v0, v1, v2, v3, v4, v5, v6, v7):
+    """The i-th of eight scalars (kernel arguments cannot be indexed)."""
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, tl.where(i == 2, v2, tl.where(
+        i == 3, v3, tl.where(i == 4, v4, tl.where(i == 5, v5, tl.where(i == 6, v6, v7)))))))
+
+
+@triton.jit(do_not_specialize=["n_first", "gather_seg", *_SEGMENT_ARGS])
+def _stage_kernel(host_a, dev_a, host_b, dev_b, tokens_ptr, n_first, gather_seg,
+                  start0, n0, start1, n1, start2, n2, start3, n3,
+                  start4, n4, start5, n5, start6, n6, start7, n7,
+                  GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (i, s) copies block i of segment s: segments before n_first are in buffer a,
+    the rest in buffer b. In segment gather_seg a negative value -(j + 1) becomes tokens[j]."""
+    seg = tl.program_id(1)
+    start = _nth(seg, start0, start1, start2, start3, start4, start5, start6, start7)
+    n = _nth(seg, n0, n1, n2, n3, n4, n5, n6, n7)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    idx = start + offs
+    if seg < n_first:
+        v = tl.load(host_a + idx, mask=mask)
+        if GATHER:
+            pending = mask & (v < 0) & (seg == gather_seg)
+            v = tl.where(pending, tl.load(tokens_ptr + (-v - 1), mask=pending), v)
+        tl.store(dev_a + idx, v, mask=mask)
+    else:
+        tl.store(dev_b + idx, tl.load(host_b + idx, mask=mask), mask=mask)
+
+
+def stage_to_device(buffers: list[tuple[torch.Tensor, torch.Tensor]],
+                    segments: list[tuple[int, int, int]],
+                    gather: tuple[int, torch.Tensor] | None = None) -> None:
+    """For each segment (buffer b, start, length): device[start:start + length] = host[...] of
+    buffers[b] = (host, device), host pinned, read by the SMs over the bus. At most two buffers
+    and MAX_SEGMENTS segments, those of buffer 0 first. gather (segment index, tokens on the
+    device): in that segment (of buffer 0) a value -(j + 1) is replaced by tokens[j]."""
+    if not 1 <= len(buffers) <= 2 or len(segments) > MAX_SEGMENTS:
+        raise ValueError(f"stage_to_device takes 1-2 buffers and up to {MAX_SEGMENTS} segments, "
+                         f"got {len(buffers)} and {len(segments)}")
+    for host, dev in buffers:
+        if not host.is_pinned() or host.dtype != dev.dtype or not dev.is_cuda:
+            raise ValueError("stage_to_device copies pinned host memory to a CUDA tensor of "
+                             "its dtype")
+    if [b for b, _, _ in segments] != sorted(b for b, _, _ in segments):
+        raise ValueError("stage_to_device: the first buffer's segments come first")
+    live = [(b, start, n) for b, start, n in segments if n > 0]
+    if not live:
+        return
+    n_first = sum(1 for b, _, _ in live if b == 0)
+    seg_index = -1
+    tokens = buffers[0][1]
+    if gather is not None:
+        index, tokens = gather
+        if segments[index][0] != 0:
+            raise ValueError("stage_to_device gathers into the first buffer only")
+        # the gathered segment's place among the non-empty ones (-1: it is empty)
+        if segments[index][2] > 0:
+            seg_index = sum(1 for _, _, n in segments[:index] if n > 0)
+    flat: list[int] = []
+    for _, start, n in live:
+        flat += [start, n]
+    flat += [0, 0] * (MAX_SEGMENTS - len(live))
+    host_a, dev_a = buffers[0]
+    host_b, dev_b = buffers[-1]
+    longest = max(n for _, _, n in live)
+    _stage_kernel[(triton.cdiv(longest, BLOCK), len(live))](
+        host_a, dev_a, host_b, dev_b, tokens, n_first, seg_index, *flat,
+        GATHER=seg_index >= 0, BLOCK=BLOCK)

@@ -317,6 +317,8 @@ def _config(n: int, k: int, gated: bool, block_m: int, elem: int, min_smem: int 
     depth is what fits the shared-memory budget, and at least min_smem bytes where that fits."""
     if gated:
         block_n, block_k, stages, split = (64, 64, 4, 1) if wide else (32, 64, 6, 1)
+    elif n > 16384:  # the logits' projection: vocabulary rows (norm_gemv_sweep.py --lm-head)
+        block_n, block_k, stages, split = 32, 512, 3, 4
     elif n <= 2048 and k >= 4096:  # down_proj: long K, 1 KB of each row per step
         block_n, block_k, stages, split = 16, 1024, 3, 4
     elif n <= 2048:

@@ -3,15 +3,22 @@
 The runner's input buffers (token ids, positions, slots, context lengths, cumulative lengths,
 block tables) must keep their addresses across steps (recorded graphs read them). Here they
 are views into one packed device buffer per dtype, mirrored by one persistent host buffer
-each (pinned on CUDA). A step writes its values into the mirrors through numpy, then one copy
-per dtype moves everything up to the last value written: two copies a step instead of one per
-input, and no tensor built from a Python list or pinned allocation per input
-(bench/profile_step.py: input preparation was the largest host cost of a decode step).
+each (pinned on CUDA). A step writes its values into the mirrors through numpy; then one
+kernel reads what each field had written straight from the pinned mirrors
+(atom.kernels.triton_copy.stage_to_device): no copy-engine copy, whose switches to and from
+the SMs idled the GPU, and only the written front of each field, not everything up to the
+last field written. Layouts the kernel does not take (more than two dtypes or eight fields)
+use one copy per dtype.
 
-The copies are asynchronous, so a mirror may be written again only once the copies that read
-it have run: `begin` waits for the event `flush` recorded after them (already passed in the
-engine's loop, which synchronises when it samples). On the CPU the packed buffers are host
-memory: the mirrors are the buffers themselves and nothing is copied.
+A token-id field may hold placeholders: -(j + 1) stands for the j-th token the previous step
+sampled, still on the device (asynchronous scheduling); `flush(gather=...)` fills them in on
+the device, in the same kernel.
+
+The reads are asynchronous, so a mirror may be written again only once the kernel that reads
+it has run: `begin` waits for the event `flush` recorded after it (already passed in the
+engine's loop, which reads a step's tokens before preparing the step after next). On the CPU
+the packed buffers are host memory: the mirrors are the buffers themselves and nothing is
+copied.
 
 Each step overwrites the front of each field; what lies past it keeps the values of earlier
 steps (readers never go past a step's own rows, sequences and blocks).
@@ -27,6 +34,18 @@ import torch
 
 # name -> (dtype, shape, initial value); fields of one dtype are packed in this order.
 Field = tuple[torch.dtype, tuple[int, ...], int]
+# False: the copy engine copies each dtype's buffer up to its last written value
+# (bench/profile_step.py --kernels compares the two).
+DEVICE_READS_MIRRORS = True
+
+
+def fill_placeholders(ids: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids' placeholders -(j + 1) replaced by tokens[j], in place, on ids' device without a
+    host synchronisation (the torch form of the staging kernel's gather)."""
+    if tokens.numel() == 0 or ids.numel() == 0:
+        return
+    src = (-ids - 1).clamp_(0, tokens.numel() - 1)
+    ids.copy_(torch.where(ids < 0, tokens.to(ids.dtype)[src], ids))
 
 
 class HostStaging:
@@ -58,7 +77,7 @@ class HostStaging:
         if self._cuda:
             for dt, dev in self._device.items():
                 dev.copy_(self._host[dt])
-        self._ends = dict.fromkeys(sizes, 0)
+        self._written: dict[str, int] = {}  # field -> elements written since the last flush
         self._pending = False
 
     def begin(self) -> None:
@@ -68,10 +87,7 @@ class HostStaging:
             self._pending = False
 
     def _wrote(self, name: str, n: int) -> None:
-        dtype, start, row = self._where[name]
-        end = start + n * row
-        if end > self._ends[dtype]:
-            self._ends[dtype] = end
+        self._written[name] = max(self._written.get(name, 0), n * self._where[name][2])
 
     def put(self, name: str, values: Sequence[int]) -> torch.Tensor:
         """values at the front of field `name`; the device slice they will land in."""
@@ -91,12 +107,37 @@ class HostStaging:
         if rows:
             self._wrote(name, len(rows))
 
-    def flush(self) -> None:
-        """Issue the copies of what was written since the last flush (on the current stream)."""
-        if self._cuda:
-            for dt, end in self._ends.items():
+    def flush(self, gather: tuple[str, torch.Tensor] | None = None) -> None:
+        """Move what was written since the last flush to the device (on the current stream).
+        gather (field, tokens on the device): the written front of that field has its
+        placeholders -(j + 1) replaced by tokens[j]."""
+        written, self._written = self._written, {}
+        if not self._cuda:
+            self._fill(gather, written)
+            return
+        dtypes = list(self._device)
+        # (buffer, first element, length, field) of each written field, buffer by buffer
+        segments = sorted((dtypes.index(self._where[name][0]), self._where[name][1], n, name)
+                          for name, n in written.items())
+        gather_at = None
+        if gather is not None and gather[0] in written:
+            gather_at = ([seg[3] for seg in segments].index(gather[0]), gather[1])
+        from atom.kernels.triton_copy import MAX_SEGMENTS, stage_to_device
+
+        if (DEVICE_READS_MIRRORS and len(dtypes) <= 2 and len(segments) <= MAX_SEGMENTS
+                and (gather_at is None or segments[gather_at[0]][0] == 0)):
+            stage_to_device([(self._host[dt], self._device[dt]) for dt in dtypes],
+                            [seg[:3] for seg in segments], gather_at)
+        else:
+            for b, dt in enumerate(dtypes):
+                end = max((start + n for sb, start, n, _ in segments if sb == b), default=0)
                 if end:
                     self._device[dt][:end].copy_(self._host[dt][:end], non_blocking=True)
-            self._copied.record()
-            self._pending = True
-        self._ends = dict.fromkeys(self._ends, 0)
+            self._fill(gather, written)
+        self._copied.record()
+        self._pending = True
+
+    def _fill(self, gather: tuple[str, torch.Tensor] | None, written: dict[str, int]) -> None:
+        if gather is not None:
+            name, tokens = gather
+            fill_placeholders(self.buffers[name].view(-1)[:written.get(name, 0)], tokens)

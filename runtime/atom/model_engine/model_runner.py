@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,20 +40,6 @@ DEFAULT_CPU_KV_BLOCKS = 512
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
-
-
-@dataclass
-class PendingRows:
-    """Rows whose token is on the device only: row rows[i] takes tokens[src[i]]."""
-
-    rows: list[int]
-    src: list[int]
-    tokens: torch.Tensor
-
-    @property
-    def in_order(self) -> bool:
-        """Row i takes token i for every i: one plain copy does it."""
-        return self.rows == self.src == list(range(len(self.rows)))
 
 
 class ModelRunner:
@@ -116,9 +101,6 @@ class ModelRunner:
             "cu_seqlens_q": (i32, (seqs + 1,), 0),
             "cu_seqlens_k": (i32, (seqs + 1,), 0),
             "block_tables": (i32, (seqs, self.max_blocks_per_seq), 0),
-            # rows whose token the previous step sampled, and where it sits in its tokens
-            "pending_rows": (i64, (seqs,), 0),
-            "pending_src": (i64, (seqs,), 0),
         }, self.device)
 
     def kv_block_bytes(self) -> int:
@@ -169,10 +151,11 @@ class ModelRunner:
     # ---- inputs --------------------------------------------------------------------------
     def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
                q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
-               num_seqs: int, num_rows: int, pending: PendingRows | None = None
+               num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
-        """Copy host lists (already padded) into the persistent buffers and wrap them; then
-        the pending rows take their tokens from the previous step's sampled ids."""
+        """Copy host lists (already padded) into the persistent buffers and wrap them. A token
+        id -(j + 1) is a placeholder for pending_tokens[j] (the previous step's sampled ids,
+        on the device), filled in on the device."""
         rows, nseq = len(rows_ids), len(ctx_lens)
         if rows > self.max_num_rows or nseq > self.max_num_seqs:
             raise ValueError(f"batch of {rows} rows / {nseq} sequences exceeds the runner's buffers "
@@ -192,21 +175,8 @@ class ModelRunner:
         # Only the real rows' own blocks are written: kernels never read past a context's
         # blocks, and padded sequences (context 0) read none.
         staging.put_rows("block_tables", tables)
-        resolve = pending is not None and not pending.in_order
-        if resolve:
-            dst = staging.put("pending_rows", pending.rows)
-            src = staging.put("pending_src", pending.src)
-        staging.flush()
-        if pending is not None:
-            n = len(pending.rows)
-            if input_ids.is_cuda:  # a kernel: a device-to-device copy idled the GPU around it
-                from atom.kernels.triton_copy import take_rows
-
-                take_rows(input_ids, pending.tokens, *((dst, src) if resolve else ()), n=n)
-            elif resolve:
-                input_ids.index_copy_(0, dst, pending.tokens.index_select(0, src))
-            else:  # steady decode: the same sequences in the same order as the last step
-                input_ids[:n].copy_(pending.tokens[:n])
+        staging.flush(gather=("input_ids", pending_tokens) if pending_tokens is not None
+                      else None)
         bt = self.forward_vars["block_tables"]
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -228,7 +198,7 @@ class ModelRunner:
         so row r always belongs to sequence r. Prefill: padding rows belong to no sequence and
         padded sequences have no rows. A row whose token is PENDING_TOKEN takes it from
         `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
-        `pending_src`.
+        `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
         """
         bs = self.block_size
         ids: list[int] = []
@@ -237,8 +207,7 @@ class ModelRunner:
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
-        pending_rows: list[int] = []
-        pending_src: list[int] = []
+        pending = 0
         for seq in seqs:
             start = seq.num_computed_tokens
             n = seq.num_scheduled_tokens
@@ -247,8 +216,8 @@ class ModelRunner:
             # Only a sequence's last token can be pending: the host reads a step's tokens
             # before the step after next is prepared.
             if seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN:
-                pending_rows.append(len(ids) - 1)
-                pending_src.append(seq.pending_src)
+                ids[-1] = -(seq.pending_src + 1)
+                pending += 1
             pos.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -264,14 +233,11 @@ class ModelRunner:
             rows = nseq = max(num_rows, num_seqs, pad_to_rows or 0, pad_to_seqs or 0)
             q_pad = [1] * (nseq - num_seqs)
         pad = rows - num_rows
-        pending = None
-        if pending_rows:
-            if pending_tokens is None:
-                raise ValueError(f"{len(pending_rows)} rows wait for sampled tokens, none given")
-            pending = PendingRows(pending_rows, pending_src, pending_tokens)
+        if pending and pending_tokens is None:
+            raise ValueError(f"{pending} rows wait for sampled tokens, none given")
         return self._build(ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, q_lens + q_pad,
                            ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
-                           num_rows, pending)
+                           num_rows, pending_tokens if pending else None)
 
     def build_dummy_decode(self, num_seqs: int, q_len: int = 1
                            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.linear import Linear, MergedLinear
-from atom.layers.norm_linear import linear_add, norm_linear
+from atom.layers.norm_linear import linear_add, norm_linear, project
 from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 from atom.models.registry import ModelConfig
@@ -141,9 +140,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype; the sampler widens only what it samples (a greedy step
-        needs no fp32 copy of the vocabulary)."""
+        needs no fp32 copy of the vocabulary). At decode sizes on CUDA the projection kernel
+        streams the vocabulary's rows (5 us a step under cuBLAS's on the H200, which also
+        zeroes a workspace first: bench/RESULTS.md)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden_states, weight)
+        return project(hidden_states, weight, None)
 
     def attention_layers(self) -> dict[int, Attention]:
         return {layer.self_attn.attn.layer_id: layer.self_attn.attn for layer in self.model.layers}
