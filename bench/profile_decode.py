@@ -76,11 +76,6 @@ ALTERNATIVES = {
     "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
     # The fused launch with the weights loaded after the wait: what the preload buys.
     "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
-    # The fused launch with the attention programs combining the splits and the projection
-    # waiting for each kv head's output, instead of combining every split's partial itself.
-    "attention-combines": ("atom.kernels.triton_decode_o_proj", "PROJECTION_COMBINES", False),
-    "projection-chunk-2": ("atom.kernels.triton_decode_o_proj", "PROJECTION_CHUNK", 2),
-    "projection-chunk-1": ("atom.kernels.triton_decode_o_proj", "PROJECTION_CHUNK", 1),
     # The decode attention as an ordinary launch, not started early beside the qkv projection.
     "no-pdl": ("atom.kernels.triton_attention", "DECODE_PDL", False),
     # One-row projections (qkv) on the tiled GEMV, not the early-launched preloading kernel.

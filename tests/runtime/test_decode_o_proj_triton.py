@@ -13,16 +13,12 @@ import sys
 import pytest
 
 CASES = {
-    # name: (context length (0: a padding row), splits, bias, residual, rotary[, whether the
-    # projection programs combine the splits: PROJECTION_COMBINES, default True])
+    # name: (context length (0: a padding row), splits, bias, residual, rotary)
     "split3-rope": (250, 3, False, True, True),
     "unsplit-bias": (130, 1, True, True, False),
     "split4-no-residual-rope": (16, 4, False, False, True),
     "one-key-split3-rope": (1, 3, False, True, True),
     "padding-row-split3-bias": (0, 3, True, True, True),
-    # the attention programs combine the splits, the projection reads their output
-    "split3-rope-attention-combines": (250, 3, False, True, True, False),
-    "padding-row-attention-combines": (0, 3, True, True, True, False),
 }
 # bf16 runs on the GPU only (tests/gpu): Triton 3.6's interpreter gets bf16 tile dots wrong
 # (the unfused decode kernel too: errors of 1e8 in the interpreter, none on the H200).
@@ -36,8 +32,7 @@ def _run_case(name: str) -> None:
     from atom.kernels.testing import paged_reference, random_paged_batch
     from atom.layers.norm_linear import reference_projection
 
-    ctx, splits, has_bias, has_res, use_rope, *combines = CASES[name]
-    fused.PROJECTION_COMBINES = combines[0] if combines else True
+    ctx, splits, has_bias, has_res, use_rope = CASES[name]
     heads, kv_heads, dim, hidden = 4, 2, 16, 40  # hidden not a multiple of the strip
     b = random_paged_batch(q_lens=[1], ctx_lens=[max(ctx, 1)], num_heads=heads,
                            num_kv_heads=kv_heads, head_dim=dim, max_blocks=16, seed=ctx + splits)

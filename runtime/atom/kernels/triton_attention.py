@@ -166,7 +166,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
                     part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, scale, stride_q,
                     stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H,
                     GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
-                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, False, PDL)
+                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, PDL)
 
 
 @triton.jit
@@ -217,7 +217,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                     Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
                     PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
-                    SIGNAL: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr):
+                    SIGNAL: tl.constexpr, PDL: tl.constexpr):
     """The split's tiles of TILE_N keys of one (row, kv head).
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
@@ -235,10 +235,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
       them in split order, so the result does not depend on arrival order, and re-arms the
       counter for the next launch (flash-decoding without a second kernel);
     - SIGNAL: whichever program writes a (row, kv head)'s final output then counts it at
-      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch);
-    - DEFER (with SIGNAL): every split writes its partial and counts it at done_ptr, and the
-      consumer in the same launch combines them (merge_partials): no arrival counter, no
-      combining program, one wait less on the way to the projection.
+      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch).
     """
     # With several rows per sequence, a row reads the keys of the rows before it, which
     # another program would be storing in this same launch: the caller stores them first.
@@ -330,19 +327,17 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         out_row = out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :]
-        if DEFER:
-            _store_partial(part_o_ptr, part_ml_ptr, row64 * NUM_KV_HEADS + kv_head, split, o,
-                           m_i, l_i, offs_h, offs_d, q_mask, h_mask, NUM_SPLITS, GROUP_P2,
-                           BLOCK_D)
-            _arrive(done_ptr)
-        elif active <= 1:
+        if active <= 1:
             tl.store(out_row, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             if SIGNAL:
                 _arrive(done_ptr)
         else:
+            # Partials of (row, kv head): [split, GROUP_P2 heads] (max, sum) and outputs.
             pair = row64 * NUM_KV_HEADS + kv_head
-            _store_partial(part_o_ptr, part_ml_ptr, pair, split, o, m_i, l_i, offs_h, offs_d,
-                           q_mask, h_mask, NUM_SPLITS, GROUP_P2, BLOCK_D)
+            part = (pair * NUM_SPLITS + split) * GROUP_P2 + offs_h
+            tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=q_mask)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
             tl.debug_barrier()  # every thread's partial is written before the arrival is
             arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
@@ -355,32 +350,22 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
 
 
 @triton.jit
-def _store_partial(part_o_ptr, part_ml_ptr, pair, split, o, m_i, l_i, offs_h, offs_d, q_mask,
-                   h_mask, NUM_SPLITS: tl.constexpr, GROUP_P2: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    """A split's partial of (row, kv head) = pair: at [pair, split, GROUP_P2 heads], the
-    normalised output [BLOCK_D] and (max, sum)."""
-    part = (pair * NUM_SPLITS + split) * GROUP_P2 + offs_h
-    tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=q_mask)
-    tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
-    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
-
-
-@triton.jit
-def merge_partials(part_o_ptr, part_ml_ptr, first, step, active, h_mask,
-                   BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """The outputs [heads, BLOCK_D] (fp32) of heads whose split-s partial sits at
-    first + s * step (first: [heads]), from the active splits' partials, read in split order
-    CHUNK at a time (through L2: other SMs wrote them)."""
+def _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active, stride_o,
+                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """The row's outputs for the GROUP heads of kv_head from the active splits' partials, read
+    in split order COMBINE_CHUNK at a time (through L2: other SMs wrote them)."""
     offs_c = tl.arange(0, CHUNK)
+    offs_g = tl.arange(0, GROUP_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    m_run = tl.full(first.shape, float("-inf"), tl.float32)
-    l_run = tl.zeros(first.shape, tl.float32)
-    acc = tl.zeros([first.shape[0], BLOCK_D], tl.float32)
+    g_mask = offs_g < GROUP
+    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_run = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
     for s0 in range(0, active, CHUNK):
         s = s0 + offs_c
-        mask = (s < active)[:, None] & h_mask[None, :]
-        part = s[:, None] * step + first[None, :]  # [CHUNK, heads]
+        mask = (s < active)[:, None] & g_mask[None, :]
+        part = (pair * NUM_SPLITS + s)[:, None] * GROUP_P2 + offs_g[None, :]  # [CHUNK, G]
         m = tl.load(part_ml_ptr + part * 2, mask=mask, other=float("-inf"), cache_modifier=".cg")
         lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=mask, other=0.0, cache_modifier=".cg")
         o = tl.load(part_o_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :],
@@ -392,19 +377,7 @@ def merge_partials(part_o_ptr, part_ml_ptr, first, step, active, h_mask,
         l_run = l_run * alpha + tl.sum(w, 0)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
         m_run = m_new
-    return acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-
-
-@triton.jit
-def _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active, stride_o,
-                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """The row's outputs for the GROUP heads of kv_head from the active splits' partials."""
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    res = merge_partials(part_o_ptr, part_ml_ptr, pair * NUM_SPLITS * GROUP_P2 + offs_g,
-                         GROUP_P2, active, g_mask, BLOCK_D, CHUNK)
+    res = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
     heads = kv_head * GROUP + offs_g
     tl.store(out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
@@ -492,10 +465,9 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                   scale: float, num_heads: int, q_len: int = 1, num_splits: int | None = None,
                   rope: Rope | None = None, new_kv: StepKV | None = None,
-                  overlap: bool = False, partials: bool = False) -> DecodeLaunch:
+                  overlap: bool = False) -> DecodeLaunch:
     """What decode_attention_triton launches; new_kv only with q_len 1 (the kernel's own
-    store). overlap: see decode_attention_triton. partials: the splits' partial buffers even
-    for one split (a consumer that combines them itself: _decode_program's DEFER)."""
+    store). overlap: see decode_attention_triton."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rows = q.shape[0]
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
@@ -505,7 +477,7 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tiles = triton.cdiv(block_tables.shape[1] * block_size, _DECODE_TILE_N)
     splits = min(num_splits or decode_num_splits(rows, num_kv_heads, tiles), tiles)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if splits > 1 or partials:
+    if splits > 1:
         parts = rows * num_kv_heads * splits * group_p2
         part_o = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q.device)

@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch, merge_partials
-from atom.kernels.triton_norm_gemv import _row_strip, _wait_for, row_strip_rows
+from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
+from atom.kernels.triton_norm_gemv import _row_strip, row_strip_rows
 from atom.layers.rotary import Rope
 
 # Rows the fused launch takes: batch-1 decode. With 2 to 4 rows (a loop over them after the
@@ -38,12 +37,6 @@ STRIP_BYTES = 64 * 1024
 NUM_WARPS = 8
 # False: the projection programs load their weights after the wait (bench/profile_decode.py).
 PRELOAD_WEIGHTS = True
-# True: the projection programs combine the attention splits' partials themselves (each wait
-# for every split, not for each kv head's combining program), where the heads lay out the
-# projection's input exactly (a power-of-two head count and head size). False: the attention
-# programs combine, and the projection reads their output (bench/profile_decode.py).
-PROJECTION_COMBINES = True
-PROJECTION_CHUNK = 8  # splits' partials a projection program reads per step
 
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
@@ -74,8 +67,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr, PRELOAD: tl.constexpr, DEFER: tl.constexpr,
-                          PROJECTION_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
     first tickets are the splits that hold keys even for short contexts); the tickets after
     them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
@@ -91,18 +83,12 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                         done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
                         NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                         TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True,
-                        DEFER, PDL)
+                        PDL)
     else:
-        if DEFER:
-            _project_partials(ticket - n_attn, ctx_ptr, part_o_ptr, part_ml_ptr, out_ptr, w_ptr,
-                              b_ptr, res_ptr, y_ptr, done_ptr, N, stride_w, NUM_KV_HEADS, GROUP,
-                              HEAD_DIM, TILE_N, NUM_SPLITS, PROJECTION_CHUNK, HAS_BIAS, HAS_RES,
-                              BLOCK_N, PRELOAD, PDL)
-        else:
-            # Every (row, kv head) output is counted once, by whichever program writes it.
-            _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr,
-                       pairs, 1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1,
-                       BLOCK_N, BLOCK_K, PRELOAD, PDL, True)
+        # Every (row, kv head) output is counted once, by whichever program writes it.
+        _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
+                   1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
+                   PRELOAD, PDL, True)
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:
@@ -110,68 +96,6 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
             tl.store(sync_ptr, 0)
             tl.store(done_ptr, 0)
             tl.store(sync_ptr + 2 * LINE, 0)
-
-
-@triton.jit
-def _project_partials(strip, ctx_ptr, part_o_ptr, part_ml_ptr, out_ptr, w_ptr, b_ptr, res_ptr,
-                      y_ptr, done_ptr, N, stride_w, NUM_KV_HEADS: tl.constexpr,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, PRELOAD: tl.constexpr,
-                      PDL: tl.constexpr):
-    """y[0, strip] = out o_weight[strip]^T (+ bias) (+ residual), the one row's attention
-    output `out` combined here from every split's partial (DEFER), rounded as the attention
-    kernel rounds it; strip 0 also writes it to out. As _row_strip: the weights are loaded
-    first, then (PDL) the wait for the kernel before, the residual, and the wait for every
-    partial (as many as the attention programs deal for this context: _decode_program)."""
-    HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    K: tl.constexpr = HEADS * HEAD_DIM
-    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, K)
-    n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    if PRELOAD:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_wait()
-    if HAS_RES:
-        res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    n_tiles = tl.cdiv(tl.maximum(tl.load(ctx_ptr), 0), TILE_N)
-    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
-    active = tl.maximum(tl.cdiv(n_tiles, per_split), 1)  # a row without keys: split 0's zeros
-    _wait_for(done_ptr, NUM_KV_HEADS * active)
-    if not PRELOAD:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    # head h = kv head * GROUP + g: its split-s partial at (kv head * NUM_SPLITS + s) * GROUP + g
-    offs_h = tl.arange(0, HEADS)
-    first = (offs_h // GROUP) * NUM_SPLITS * GROUP + offs_h % GROUP
-    attn = merge_partials(part_o_ptr, part_ml_ptr, first, GROUP, active, offs_h < HEADS,
-                          HEAD_DIM, CHUNK).to(out_ptr.dtype.element_ty)
-    if strip == 0:
-        offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(out_ptr + offs_h[:, None] * HEAD_DIM + offs_d[None, :], attn)
-    x = tl.reshape(attn, [K]).to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if HAS_BIAS:
-        acc += bias
-    out_ty = y_ptr.dtype.element_ty
-    out = acc.to(out_ty).to(tl.float32)
-    if HAS_RES:
-        out += res
-    tl.store(y_ptr + offs_n, out.to(out_ty), mask=n_mask)
-
-
-def projection_combines(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the projection programs combine the splits (PROJECTION_COMBINES): the heads'
-    outputs, laid end to end, must be the projection's input exactly."""
-    def pow2(x: int) -> bool:
-        return x > 0 and x & (x - 1) == 0
-
-    group = num_heads // num_kv_heads
-    return (PROJECTION_COMBINES and pow2(num_heads) and pow2(group) and pow2(head_dim)
-            and head_dim >= 16)
 
 
 def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -191,9 +115,8 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     assert out.shape[1] == k and proj_out.shape == (rows, n)
     assert o_weight.stride(-1) == 1 and proj_out.stride(-1) == 1
     assert residual is None or (residual.shape == (rows, n) and residual.stride(-1) == 1)
-    defer = projection_combines(num_heads, k_cache.shape[2], k_cache.shape[3])
     launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
-                           num_heads, 1, num_splits, rope, new_kv, overlap, partials=defer)
+                           num_heads, 1, num_splits, rope, new_kv, overlap)
     block_k = triton.next_power_of_2(k)
     block_n = max(1, row_strip_rows(k, o_weight.element_size(), STRIP_BYTES))
     n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
@@ -202,6 +125,4 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
         _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
         HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, DEFER=defer,
-        PROJECTION_CHUNK=PROJECTION_CHUNK,
-        num_warps=NUM_WARPS)
+        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, num_warps=NUM_WARPS)
