@@ -185,6 +185,10 @@ def test_a_pending_row_without_tokens_is_refused() -> None:
         engine.runner.prepare_inputs([seq], is_prefill=False)
     ids, *_ = engine.runner.prepare_inputs([seq], False, pending_tokens=torch.tensor([41, 42]))
     assert ids.tolist() == [42]
+    # a placeholder without a named source is refused, not taken for sampled row 0
+    seq.pending_src = None
+    with pytest.raises(ValueError, match="still on the device"):
+        engine.runner.prepare_inputs([seq], False, pending_tokens=torch.tensor([41, 42]))
 
 
 @pytest.mark.gpu

@@ -215,7 +215,13 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:end])
             # Only a sequence's last token can be pending: the host reads a step's tokens
             # before the step after next is prepared.
-            if seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN:
+            last_pending = seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN
+            # Any other negative id would be taken for a placeholder: refuse it here.
+            if n and min(ids[len(ids) - n:len(ids) - 1 if last_pending else None],
+                         default=0) < 0:
+                raise ValueError(f"request {seq.request_id!r}: a token of its scheduled range "
+                                 "is still on the device and no sampled row is named for it")
+            if last_pending:
                 ids[-1] = -(seq.pending_src + 1)
                 pending += 1
             pos.extend(range(start, end))
