@@ -126,10 +126,10 @@ def _check(engine: LLMEngine, hf: torch.nn.Module) -> None:
     recorded: dict[str, list[torch.Tensor]] = {}
     sample = engine.sampler.sample
 
-    def recording_sample(logits, seqs):
+    def recording_sample(logits, seqs, *args, **kwargs):
         for row, seq in zip(logits, seqs, strict=False):
             recorded.setdefault(seq.request_id, []).append(row.clone())
-        return sample(logits, seqs)
+        return sample(logits, seqs, *args, **kwargs)
 
     engine.sampler.sample = recording_sample
     n_new = 12
