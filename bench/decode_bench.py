@@ -85,12 +85,15 @@ def bound_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, context: in
 # --------------------------------------------------------------------------- our engine
 
 
-def build_engine(level: int, max_num_seqs: int, context: int, num_kv_blocks: int):
+def build_engine(level: int, max_num_seqs: int, context: int, num_kv_blocks: int,
+                 max_model_len: int | None = None):
+    """The engine on dummy weights; max_model_len (default context + 1024) sets the width of
+    the block tables, not the KV blocks allocated."""
     from atom.config import CompilationConfig, Config, CUDAGraphMode
     from atom.engine.llm_engine import LLMEngine
 
     cfg = Config(model=MODEL, load_format="dummy", dtype="bfloat16", device="cuda",
-                 max_num_seqs=max_num_seqs, max_model_len=context + 1024,
+                 max_num_seqs=max_num_seqs, max_model_len=max_model_len or context + 1024,
                  max_num_batched_tokens=8192, num_kv_blocks=num_kv_blocks,
                  compilation_config=CompilationConfig(
                      level=level, cudagraph_mode=CUDAGraphMode.NONE))
@@ -113,15 +116,18 @@ def profile_parser(doc: str, level: int) -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=["FULL"])
     ap.add_argument("--level", type=int, default=level)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len (default: context + 1024)")
     return ap
 
 
-def profile_setup(level: int, batches: list[int], context: int, key: str
-                  ) -> tuple[Any, dict[str, Any]]:
+def profile_setup(level: int, batches: list[int], context: int, key: str,
+                  max_model_len: int | None = None) -> tuple[Any, dict[str, Any]]:
     """The profiling scripts' engine for these batches and their result header (key: {})."""
-    engine, _, _ = build_engine(level, max(batches), context, kv_blocks(max(batches), context))
+    engine, _, _ = build_engine(level, max(batches), context, kv_blocks(max(batches), context),
+                                max_model_len)
     return engine, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "level": level, key: {}}
+                    "level": level, "max_model_len": engine.config.max_model_len, key: {}}
 
 
 def capture(engine, mode, sizes: list[int]) -> tuple[Any, float]:

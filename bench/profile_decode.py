@@ -126,7 +126,8 @@ def main() -> None:
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
 
-    engine, result = db.profile_setup(args.level, args.batches, args.context, "profiles")
+    engine, result = db.profile_setup(args.level, args.batches, args.context, "profiles",
+                                      args.max_model_len)
     # name -> (mode, alternative or None): a graph keeps the settings it was recorded with.
     variants = {m: (m, None) for m in args.modes}
     variants.update({f"{m}-{alt}": (m, alt) for m in args.modes for alt in args.compare})

@@ -141,7 +141,8 @@ def main() -> None:
     from atom.config import CUDAGraphMode
     from atom.model_engine import host_staging
 
-    engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us")
+    engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us",
+                                      args.max_model_len)
     engine.async_scheduling = not args.sync
     result["async_scheduling"] = engine.async_scheduling
     runners = {m: db.capture(engine, CUDAGraphMode.parse(m), sorted(args.batches))[0]

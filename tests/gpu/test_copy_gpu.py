@@ -43,9 +43,10 @@ def _pair(dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_stage_to_device_copies_only_the_segments() -> None:
     longs, ints = _pair(torch.long, 3 * BLOCK), _pair(torch.int32, 64)
-    # a segment longer than a block, a short one, an empty one, then two in the int32 buffer
-    segments = [(0, 0, BLOCK + 3), (0, 2 * BLOCK, 2), (0, 2 * BLOCK + 10, 0), (1, 4, 3),
-                (1, 40, 1)]
+    # a run longer than a block, a short one, an empty one; in the int32 buffer a run and
+    # the first 3 values of 2 rows of a 10-wide table
+    segments = [(0, 0, BLOCK + 3, 1, 1), (0, 2 * BLOCK, 2, 1, 1), (0, 2 * BLOCK + 10, 0, 1, 1),
+                (1, 4, 3, 1, 1), (1, 30, 2, 3, 10)]
     stage_to_device([longs, ints], segments)
     torch.cuda.synchronize()
     expect_l = torch.full((3 * BLOCK,), -5, dtype=torch.long)
@@ -53,7 +54,8 @@ def test_stage_to_device_copies_only_the_segments() -> None:
     expect_l[2 * BLOCK:2 * BLOCK + 2] = longs[0][2 * BLOCK:2 * BLOCK + 2]
     expect_i = torch.full((64,), -5, dtype=torch.int32)
     expect_i[4:7] = ints[0][4:7]
-    expect_i[40] = ints[0][40]
+    for row_start in (30, 40):
+        expect_i[row_start:row_start + 3] = ints[0][row_start:row_start + 3]
     assert torch.equal(longs[1].cpu(), expect_l) and torch.equal(ints[1].cpu(), expect_i)
 
 
@@ -61,12 +63,12 @@ def test_stage_to_device_fills_placeholders_in_the_gathered_segment_only() -> No
     host = torch.tensor([-2, 5, -1, -3, -1, -1], dtype=torch.long).pin_memory()
     dev = torch.zeros(6, dtype=torch.long, device="cuda")
     tokens = torch.tensor([101, 102, 103], device="cuda")
-    stage_to_device([(host, dev)], [(0, 0, 4), (0, 4, 2)], gather=(0, tokens))
+    stage_to_device([(host, dev)], [(0, 0, 4, 1, 1), (0, 4, 2, 1, 1)], gather=(0, tokens))
     torch.cuda.synchronize()
     assert dev.tolist() == [102, 5, 101, 103, -1, -1]  # the second segment keeps its -1s
     # the gathered segment empty: nothing is filled, the rest is still copied
     dev.zero_()
-    stage_to_device([(host, dev)], [(0, 0, 0), (0, 4, 2)], gather=(0, tokens))
+    stage_to_device([(host, dev)], [(0, 0, 0, 1, 1), (0, 4, 2, 1, 1)], gather=(0, tokens))
     torch.cuda.synchronize()
     assert dev.tolist() == [0, 0, 0, 0, -1, -1]
 
@@ -74,10 +76,12 @@ def test_stage_to_device_fills_placeholders_in_the_gathered_segment_only() -> No
 def test_stage_to_device_refuses_what_it_cannot_read() -> None:
     dev = torch.zeros(4, dtype=torch.long, device="cuda")
     with pytest.raises(ValueError, match="pinned"):
-        stage_to_device([(torch.zeros(4, dtype=torch.long), dev)], [(0, 0, 4)])
+        stage_to_device([(torch.zeros(4, dtype=torch.long), dev)], [(0, 0, 4, 1, 1)])
     host = torch.zeros(4, dtype=torch.long).pin_memory()
     with pytest.raises(ValueError, match="segments"):
-        stage_to_device([(host, dev)], [(0, 0, 1)] * (MAX_SEGMENTS + 1))
+        stage_to_device([(host, dev)], [(0, 0, 1, 1, 1)] * (MAX_SEGMENTS + 1))
     ints = _pair(torch.int32, 4)
     with pytest.raises(ValueError, match="first buffer"):
-        stage_to_device([(host, dev), ints], [(1, 0, 1), (0, 0, 1)])
+        stage_to_device([(host, dev), ints], [(1, 0, 1, 1, 1), (0, 0, 1, 1, 1)])
+    with pytest.raises(ValueError, match="overlap"):
+        stage_to_device([(host, dev)], [(0, 0, 2, 3, 2)])

@@ -80,6 +80,22 @@ def test_placeholders_take_the_sampled_tokens_on_the_device(
     assert out.tolist() == [102, 102]
 
 
+@pytest.mark.parametrize(("device", "kernel"), PATHS)
+def test_a_table_row_moves_only_its_written_front_through_the_kernel(
+        device: str, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel reads each written row's front (as many values as the longest row written):
+    a value past it in the mirror does not reach the device. The copy engine moves whole
+    rows; on the CPU the mirror is the buffer."""
+    monkeypatch.setattr(host_staging, "DEVICE_READS_MIRRORS", kernel)
+    staging = _staging(device)
+    _write(staging, [1], [[1, 2, 3, 4, 5, 6], [8, 9]])
+    staging._arrays["table"][0, 4] = 99  # past the next step's front, not put
+    _write(staging, [1], [[7], [6, 5]])
+    table = staging.buffers["table"][:2].tolist()
+    assert table[0][:4] == [7, 2, 3, 4] and table[1][:2] == [6, 5]
+    assert table[0][4] == (5 if kernel else 99)
+
+
 def test_fill_placeholders_leaves_ids_without_any() -> None:
     ids = torch.tensor([4, 0, 5])
     fill_placeholders(ids, torch.tensor([7]))

@@ -36,10 +36,12 @@ def copy_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
         _copy_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK)
 
 
-# The staging kernel's segments: up to MAX_SEGMENTS (start, length) pairs, passed as scalars
-# (reading a descriptor from host memory first would add a round trip over the bus).
+# The staging kernel's segments: up to MAX_SEGMENTS of them, each (start, elements, columns,
+# row stride) passed as scalars (reading a descriptor from host memory first would add a
+# round trip over the bus).
 MAX_SEGMENTS = 8
-_SEGMENT_ARGS = [f"{kind}{i}" for i in range(MAX_SEGMENTS) for kind in ("start", "n")]
+_SEGMENT_ARGS = [f"{kind}{i}" for i in range(MAX_SEGMENTS) for kind in ("start", "n", "cols",
+                                                                          "stride")]
 
 
 @triton.jit
@@ -51,17 +53,22 @@ def _nth(i, v0, v1, v2, v3, v4, v5, v6, v7):
 
 @triton.jit(do_not_specialize=["n_first", "gather_seg", *_SEGMENT_ARGS])
 def _stage_kernel(host_a, dev_a, host_b, dev_b, tokens_ptr, n_first, gather_seg,
-                  start0, n0, start1, n1, start2, n2, start3, n3,
-                  start4, n4, start5, n5, start6, n6, start7, n7,
+                  start0, n0, cols0, stride0, start1, n1, cols1, stride1,
+                  start2, n2, cols2, stride2, start3, n3, cols3, stride3,
+                  start4, n4, cols4, stride4, start5, n5, cols5, stride5,
+                  start6, n6, cols6, stride6, start7, n7, cols7, stride7,
                   GATHER: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (i, s) copies block i of segment s: segments before n_first are in buffer a,
-    the rest in buffer b. In segment gather_seg a negative value -(j + 1) becomes tokens[j]."""
+    """Program (i, s) copies block i of segment s's n elements: cols a row, rows stride apart
+    from start. Segments before n_first are in buffer a, the rest in buffer b. In segment
+    gather_seg a negative value -(j + 1) becomes tokens[j]."""
     seg = tl.program_id(1)
     start = _nth(seg, start0, start1, start2, start3, start4, start5, start6, start7)
     n = _nth(seg, n0, n1, n2, n3, n4, n5, n6, n7)
+    cols = _nth(seg, cols0, cols1, cols2, cols3, cols4, cols5, cols6, cols7)
+    stride = _nth(seg, stride0, stride1, stride2, stride3, stride4, stride5, stride6, stride7)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    idx = start + offs
+    idx = start + (offs // cols) * stride + offs % cols
     if seg < n_first:
         v = tl.load(host_a + idx, mask=mask)
         if GATHER:
@@ -72,12 +79,16 @@ def _stage_kernel(host_a, dev_a, host_b, dev_b, tokens_ptr, n_first, gather_seg,
         tl.store(dev_b + idx, tl.load(host_b + idx, mask=mask), mask=mask)
 
 
-def stage_to_device(buffers: list[tuple[torch.Tensor, torch.Tensor]],
-                    segments: list[tuple[int, int, int]],
+# (buffer, first element, rows, columns a row, row stride): rows x columns elements, row r
+# from first + r * stride. A 1-D run of n elements: (buffer, first, n, 1, 1).
+Segment = tuple[int, int, int, int, int]
+
+
+def stage_to_device(buffers: list[tuple[torch.Tensor, torch.Tensor]], segments: list[Segment],
                     gather: tuple[int, torch.Tensor] | None = None) -> None:
-    """For each segment (buffer b, start, length): device[start:start + length] = host[...] of
-    buffers[b] = (host, device), host pinned, read by the SMs over the bus. At most two buffers
-    and MAX_SEGMENTS segments, those of buffer 0 first. gather (segment index, tokens on the
+    """For each segment, the device side of buffers[b] = (host, device) takes the host side's
+    values there; host is pinned and read by the SMs over the bus. At most two buffers and
+    MAX_SEGMENTS segments, those of buffer 0 first. gather (segment index, tokens on the
     device): in that segment (of buffer 0) a value -(j + 1) is replaced by tokens[j]."""
     if not 1 <= len(buffers) <= 2 or len(segments) > MAX_SEGMENTS:
         raise ValueError(f"stage_to_device takes 1-2 buffers and up to {MAX_SEGMENTS} segments, "
@@ -86,12 +97,14 @@ def stage_to_device(buffers: list[tuple[torch.Tensor, torch.Tensor]],
         if not host.is_pinned() or host.dtype != dev.dtype or not dev.is_cuda:
             raise ValueError("stage_to_device copies pinned host memory to a CUDA tensor of "
                              "its dtype")
-    if [b for b, _, _ in segments] != sorted(b for b, _, _ in segments):
+    if [seg[0] for seg in segments] != sorted(seg[0] for seg in segments):
         raise ValueError("stage_to_device: the first buffer's segments come first")
-    live = [(b, start, n) for b, start, n in segments if n > 0]
+    if any(cols > stride for _, _, rows, cols, stride in segments if rows > 1):
+        raise ValueError("stage_to_device: a segment's rows overlap (columns over the stride)")
+    live = [seg for seg in segments if seg[2] * seg[3] > 0]
     if not live:
         return
-    n_first = sum(1 for b, _, _ in live if b == 0)
+    n_first = sum(1 for seg in live if seg[0] == 0)
     seg_index = -1
     tokens = buffers[0][1]
     if gather is not None:
@@ -99,15 +112,15 @@ def stage_to_device(buffers: list[tuple[torch.Tensor, torch.Tensor]],
         if segments[index][0] != 0:
             raise ValueError("stage_to_device gathers into the first buffer only")
         # the gathered segment's place among the non-empty ones (-1: it is empty)
-        if segments[index][2] > 0:
-            seg_index = sum(1 for _, _, n in segments[:index] if n > 0)
+        if segments[index] in live:
+            seg_index = live.index(segments[index])
     flat: list[int] = []
-    for _, start, n in live:
-        flat += [start, n]
-    flat += [0, 0] * (MAX_SEGMENTS - len(live))
+    for _, start, rows, cols, stride in live:
+        flat += [start, rows * cols, cols, stride]
+    flat += [0, 0, 1, 1] * (MAX_SEGMENTS - len(live))
     host_a, dev_a = buffers[0]
     host_b, dev_b = buffers[-1]
-    longest = max(n for _, _, n in live)
+    longest = max(rows * cols for _, _, rows, cols, _ in live)
     _stage_kernel[(triton.cdiv(longest, BLOCK), len(live))](
         host_a, dev_a, host_b, dev_b, tokens, n_first, seg_index, *flat,
         GATHER=seg_index >= 0, BLOCK=BLOCK)

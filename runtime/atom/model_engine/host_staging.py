@@ -6,8 +6,8 @@ are views into one packed device buffer per dtype, mirrored by one persistent ho
 each (pinned on CUDA). A step writes its values into the mirrors through numpy; then one
 kernel reads what each field had written straight from the pinned mirrors
 (atom.kernels.triton_copy.stage_to_device): no copy-engine copy, whose switches to and from
-the SMs idled the GPU, and only the written front of each field, not everything up to the
-last field written. Layouts the kernel does not take (more than two dtypes or eight fields)
+the SMs idled the GPU, and only the written front of each field (of a 2-D field, the front
+of each written row), not everything up to the last field written. Layouts the kernel does not take (more than two dtypes or eight fields)
 use one copy per dtype.
 
 A token-id field may hold placeholders: -(j + 1) stands for the j-th token the previous step
@@ -77,7 +77,8 @@ class HostStaging:
         if self._cuda:
             for dt, dev in self._device.items():
                 dev.copy_(self._host[dt])
-        self._written: dict[str, int] = {}  # field -> elements written since the last flush
+        # field -> (leading rows, values a row) written since the last flush
+        self._written: dict[str, tuple[int, int]] = {}
         self._pending = False
 
     def begin(self) -> None:
@@ -86,8 +87,12 @@ class HostStaging:
             self._copied.synchronize()
             self._pending = False
 
-    def _wrote(self, name: str, n: int) -> None:
-        self._written[name] = max(self._written.get(name, 0), n * self._where[name][2])
+    def _wrote(self, name: str, rows: int, cols: int | None = None) -> None:
+        """rows leading rows of `name` written, cols values each (None: whole rows)."""
+        row = self._where[name][2]
+        cols = row if cols is None else cols
+        was_rows, was_cols = self._written.get(name, (0, 0))
+        self._written[name] = (max(rows, was_rows), max(cols, was_cols))
 
     def put(self, name: str, values: Sequence[int]) -> torch.Tensor:
         """values at the front of field `name`; the device slice they will land in."""
@@ -99,13 +104,15 @@ class HostStaging:
 
     def put_rows(self, name: str, rows: Sequence[Sequence[int]]) -> None:
         """Row i of the 2-D field `name` starts with rows[i]; the rest of each row keeps what
-        it held. Whole rows are copied: no padding to write, however ragged the rows."""
+        it held (no padding to write, however ragged the rows)."""
         arr = self._arrays[name]
         for i, row in enumerate(rows):
             if row:
                 arr[i, :len(row)] = row
         if rows:
-            self._wrote(name, len(rows))
+            # the staging kernel reads each row's front only (a long max_model_len makes
+            # block-table rows of thousands of entries, of which a step uses a few)
+            self._wrote(name, len(rows), max(len(row) for row in rows))
 
     def flush(self, gather: tuple[str, torch.Tensor] | None = None) -> None:
         """Move what was written since the last flush to the device (on the current stream).
@@ -116,28 +123,33 @@ class HostStaging:
             self._fill(gather, written)
             return
         dtypes = list(self._device)
-        # (buffer, first element, length, field) of each written field, buffer by buffer
-        segments = sorted((dtypes.index(self._where[name][0]), self._where[name][1], n, name)
-                          for name, n in written.items())
+        # (buffer, first element, rows, values a row, row stride, field) of each written
+        # field, buffer by buffer
+        segments = sorted((dtypes.index(self._where[name][0]), self._where[name][1], rows, cols,
+                           self._where[name][2], name)
+                          for name, (rows, cols) in written.items())
         gather_at = None
         if gather is not None and gather[0] in written:
-            gather_at = ([seg[3] for seg in segments].index(gather[0]), gather[1])
+            gather_at = ([seg[5] for seg in segments].index(gather[0]), gather[1])
         from atom.kernels.triton_copy import MAX_SEGMENTS, stage_to_device
 
         if (DEVICE_READS_MIRRORS and len(dtypes) <= 2 and len(segments) <= MAX_SEGMENTS
                 and (gather_at is None or segments[gather_at[0]][0] == 0)):
             stage_to_device([(self._host[dt], self._device[dt]) for dt in dtypes],
-                            [seg[:3] for seg in segments], gather_at)
-        else:
+                            [seg[:5] for seg in segments], gather_at)
+        else:  # whole rows, up to each buffer's last written row
             for b, dt in enumerate(dtypes):
-                end = max((start + n for sb, start, n, _ in segments if sb == b), default=0)
+                end = max((start + rows * stride for sb, start, rows, _, stride, _ in segments
+                           if sb == b), default=0)
                 if end:
                     self._device[dt][:end].copy_(self._host[dt][:end], non_blocking=True)
             self._fill(gather, written)
         self._copied.record()
         self._pending = True
 
-    def _fill(self, gather: tuple[str, torch.Tensor] | None, written: dict[str, int]) -> None:
+    def _fill(self, gather: tuple[str, torch.Tensor] | None,
+              written: dict[str, tuple[int, int]]) -> None:
         if gather is not None:
             name, tokens = gather
-            fill_placeholders(self.buffers[name].view(-1)[:written.get(name, 0)], tokens)
+            rows = written.get(name, (0, 0))[0]
+            fill_placeholders(self.buffers[name][:rows].view(-1), tokens)
