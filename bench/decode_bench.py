@@ -88,9 +88,12 @@ def bound_ms(weight_bytes: int, kv_bytes_per_token: int, batch: int, context: in
 def build_engine(level: int, max_num_seqs: int, context: int, num_kv_blocks: int,
                  max_model_len: int | None = None):
     """The engine on dummy weights; max_model_len (default context + 1024) sets the width of
-    the block tables, not the KV blocks allocated."""
+    the block tables (and at least one sequence's worth of KV blocks: the engine's check)."""
     from atom.config import CompilationConfig, Config, CUDAGraphMode
     from atom.engine.llm_engine import LLMEngine
+
+    if max_model_len:
+        num_kv_blocks = max(num_kv_blocks, -(-max_model_len // 16) + 2)
 
     cfg = Config(model=MODEL, load_format="dummy", dtype="bfloat16", device="cuda",
                  max_num_seqs=max_num_seqs, max_model_len=max_model_len or context + 1024,
