@@ -7,7 +7,12 @@ swapped on it (GraphRunner with a mode override), so the modes run the same comp
 - forward_ms: ModelRunner.run_model on one prepared decode batch (replay or eager forward +
   logits), timed over --iters back-to-back calls between two synchronisations;
 - step_ms: a whole LLMEngine.step() (scheduling, input preparation, forward, sampling), the
-  engine's default asynchronous steps (each launched before the last is read): steps over time;
+  engine's default asynchronous steps (each launched before the last is read): --steps steps
+  from one synchronisation to the next, over their count. That span also holds the pipeline's
+  fill once (the GPU idles while the host prepares the first step), spread over the steps;
+- steady_step_ms: the same steps in steady state, without that fill: the GPU time between
+  events recorded on the stream after the first step and after the last (host gaps that the
+  GPU waits for between them are in it);
 - step_sync_ms: the same with Config.async_scheduling off (each step ends with its tokens on
   the host), for comparison.
 Also: transformers generate() with a static cache (which compiles the forward with
@@ -196,18 +201,27 @@ def time_forward(engine, iters: int) -> float:
         return (time.perf_counter() - t0) / iters * 1e3
 
 
-def time_steps(engine, steps: int, asynchronous: bool = True) -> float:
-    """ms per LLMEngine.step() over `steps` steps, from one synchronisation to the next."""
+def time_steps(engine, steps: int, asynchronous: bool = True) -> tuple[float, float]:
+    """ms per LLMEngine.step() over `steps` steps: (wall time from one synchronisation to the
+    next, over steps; GPU time between events recorded on the stream after the first step and
+    after the last, over steps - 1). The first holds the pipeline's fill once (the GPU idles
+    while the host prepares the first step); the second is the steady state: every gap the
+    GPU waits for the host between those steps is in it, the fill is not."""
     saved, engine.async_scheduling = engine.async_scheduling, asynchronous
     try:
         for _ in range(2):
             engine.step()
         _sync()
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
-        for _ in range(steps):
+        engine.step()
+        first.record()
+        for _ in range(steps - 1):
             engine.step()
+        last.record()
         _sync()  # asynchronous: the last step has run, though not yet read
-        return (time.perf_counter() - t0) / steps * 1e3
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+        return wall_ms, first.elapsed_time(last) / (steps - 1)
     finally:
         engine.async_scheduling = saved
 
@@ -259,16 +273,18 @@ def bench_level(level: int, batches: list[int], modes: list[str], context: int, 
                 engine.runner.graph_runner = runners[name]
                 with counters.track() as d:
                     fwd = time_forward(engine, iters)
-                    stp = time_steps(engine, steps)
-                    stp_sync = time_steps(engine, steps, asynchronous=False)
+                    stp, steady = time_steps(engine, steps)
+                    stp_sync, _ = time_steps(engine, steps, asynchronous=False)
                 replays = d.get("graph_replays", 0)
                 if name != "NONE":
                     assert replays > 0, f"{name} at batch {batch} did not replay: {d}"
                 out["modes"].setdefault(name, {})[str(batch)] = {
                     "forward_ms": round(fwd, 4), "step_ms": round(stp, 4),
-                    "step_sync_ms": round(stp_sync, 4), "replays": replays}
+                    "steady_step_ms": round(steady, 4), "step_sync_ms": round(stp_sync, 4),
+                    "replays": replays}
                 print(f"level {level} {name:>10} batch {batch:>3}: forward {fwd:7.3f} ms, "
-                      f"step {stp:7.3f} ms (synchronous {stp_sync:7.3f})", flush=True)
+                      f"step {stp:7.3f} ms (steady {steady:7.3f}, synchronous "
+                      f"{stp_sync:7.3f})", flush=True)
     if ladder:
         for name in [m for m in modes if m != "NONE"]:
             engine.runner.graph_runner = None
@@ -379,7 +395,10 @@ def table(result: dict[str, Any]) -> str:
     for level, data in result["levels"].items():
         for mode, per in data["modes"].items():
             for key, what in (("forward_ms", "forward"), ("step_ms", "engine step"),
+                              ("steady_step_ms", "engine step, steady state"),
                               ("step_sync_ms", "engine step, synchronous")):
+                if any(key not in per[str(b)] for b in batches):
+                    continue
                 lines.append(f"| level {level} {mode} {what} | "
                              + " | ".join(f"{per[str(b)][key]:.3f}" for b in batches) + " |")
     if result.get("transformers"):

@@ -96,6 +96,12 @@ ALTERNATIVES = {
     # ... or at most 1 or 4 splits per row (no combine, or a combine of 4 partials).
     "decode-splits-1": ("atom.kernels.triton_attention", "_MAX_SPLITS", 1),
     "decode-splits-4": ("atom.kernels.triton_attention", "_MAX_SPLITS", 4),
+    # Early tiled launches with no weight tile loaded before their wait (down_proj loads one) ...
+    "tiled-no-preload": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 1 << 30),
+    # ... or every plain early launch loading one (qkv and o_proj at 2-16 rows too).
+    "tiled-preload-plain": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 0),
+    # One-wave early launches in strips of BLOCK_N rows (qkv at 8 rows: 96 programs, not 128).
+    "full-strips": ("atom.kernels.triton_norm_gemv", "EVEN_STRIPS", False),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],

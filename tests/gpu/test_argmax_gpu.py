@@ -69,3 +69,21 @@ def test_refuses_a_strided_last_dimension() -> None:
     x = torch.randn(64, 4, device="cuda").t()
     with pytest.raises(ValueError, match="contiguous"):
         argmax_rows(x)
+
+
+def test_launched_early_after_the_logits_projection() -> None:
+    """On sm_90 the argmax starts beside the projection that writes its logits (which releases
+    its dependents as it starts): it must still read only the finished logits, step after
+    step, with the buffer's old values different each time."""
+    from atom.kernels.triton_norm_gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight = (torch.randn(128256, 2048, generator=gen, device="cuda") * 2048 ** -0.5).bfloat16()
+    logits = torch.empty(8, 128256, dtype=torch.bfloat16, device="cuda")
+    for rows in (1, 8, 1, 8):
+        hidden = torch.randn(rows, 2048, generator=gen, device="cuda").bfloat16()
+        logits.fill_(float("-inf"))
+        logits[:rows, 0] = 1e4  # a stale read would pick token 0
+        gemv(hidden, weight, None, out=logits[:rows])
+        got = argmax_rows(logits[:rows])
+        assert torch.equal(got, logits[:rows].argmax(dim=-1)), rows

@@ -91,3 +91,31 @@ def test_replays_in_a_cuda_graph(op: str) -> None:
     x.copy_(torch.randn_like(x))  # new inputs at the recorded addresses
     graph.replay()
     assert torch.equal(out, call()) and not torch.equal(out, before)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down"])
+def test_early_launches_give_the_ordinary_launchs_bits(rows: int, shape: str) -> None:
+    """A projection launched early (overlap: on sm_90 one-wave strips, fewer rows a program
+    where that covers more SMs, down_proj's first weight tile loaded before the wait) sums the
+    same products in the same order as the ordinary launch: bit-identical, and close to the
+    reference. One row of qkv or o goes to the preloading kernel instead (its own test)."""
+    from atom.kernels.triton_norm_gemv import gemv
+    from atom.layers.norm_linear import reference_projection
+
+    n, k, gated = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False),
+                   "gate_up": (2 * FFN, HIDDEN, True), "down": (HIDDEN, FFN, False)}[shape]
+    if rows == 1 and shape in ("qkv", "o"):
+        pytest.skip("one row of a 2048-wide projection runs the preloading kernel")
+    gen = torch.Generator(device="cuda").manual_seed(rows + n + k)
+    x, w = _randn(gen, rows, k), _randn(gen, n, k, scale=k ** -0.5)
+    norm_w = 1 + _randn(gen, k, scale=0.1) if shape in ("qkv", "gate_up") else None
+    res = _randn(gen, rows, n) if shape in ("o", "down") else None
+    kwargs = dict(norm_weight=norm_w, eps=1e-5, gated=gated, residual=res)
+    ordinary = gemv(x, w, None, **kwargs)
+    early = gemv(x, w, None, overlap=True, **kwargs)
+    assert torch.equal(early, ordinary)
+    ref = reference_projection(x.float(), w.float(), None,
+                               norm_weight=None if norm_w is None else norm_w.float(), eps=1e-5,
+                               gated=gated, residual=None if res is None else res.float())
+    _close(early, ref)

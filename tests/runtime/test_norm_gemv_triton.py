@@ -84,7 +84,7 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
         ints_after = {p: "i32" for p in ("stride_x", "stride_w", "stride_r", "stride_y",
                                          "up_offset")}
         flags = ("HAS_NORM", "GATED", "HAS_BIAS", "HAS_RES", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                 "SPLIT", "PRECISION", "RELEASE", "WAIT")
+                 "SPLIT", "PRECISION", "RELEASE", "WAIT", "PRELOAD", "STRIP")
         elem = 4 if dt == "fp32" else 2
         sig = {**ptrs, **ints, "eps": "fp32", **ints_after, **{f: "constexpr" for f in flags}}
         # (n, k, norm, gated, bias, residual): the model's four projections, and more; every
@@ -99,10 +99,17 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
                     "HAS_NORM": norm, "GATED": gated, "HAS_BIAS": bias, "HAS_RES": res,
                     "BLOCK_M": 16, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k,
                     "SPLIT": plan.split, "PRECISION": "ieee" if dt == "fp32" else "tf32",
-                    "RELEASE": dt == "bf16", "WAIT": plan.early},
+                    "RELEASE": dt == "bf16", "WAIT": plan.early, "PRELOAD": plan.preload,
+                    "STRIP": plan.strip},
                     plan.stages, ("N", "K", "up_offset"), plan.warps)
                 if plan.early and plan.programs <= H200[0]:  # spread: one program per SM
                     assert compiled.metadata.shared > H200[1] // 2, (n, k, rows, plan)
+                # down_proj early in one wave: its first weight tile held across the wait
+                assert plan.preload == (plan.early and k == 8192 and rows > 1), (n, k, rows,
+                                                                                  plan)
+                if plan.preload and dt == "bf16":
+                    regs, spilled = hopper_registers(compiled)
+                    assert spilled == 0, (n, k, rows, plan, regs)
         row_sig = {**ptrs, **ints, "eps": "fp32", "stride_x": "i32", "stride_w": "i32",
                    "stride_r": "i32", "stride_y": "i32"}
         for norm, bias, res, rows in ((True, False, False, 1), (True, True, False, 1),
@@ -143,16 +150,22 @@ def test_tiled_plan_launches_early_as_measured_on_the_h200() -> None:
     one = plans(1)
     assert all(p.early for p in one.values())
     assert (one["gate_up"].programs, one["gate_up"].block_n) == (256, 32)
+    assert all(p.strip == p.block_n and not p.preload for p in one.values())
     for rows in (2, 8, 16):
         many = plans(rows)
         assert all(p.early for p in many.values()), rows
         assert (many["gate_up"].programs, many["gate_up"].block_n) == (128, 64)
+        # qkv's 3072 rows: 128 strips of 24 (tiles of 32) cover more SMs than 96 of 32
+        assert (many["qkv"].programs, many["qkv"].strip, many["qkv"].block_n) == (128, 24, 32)
+        assert all(p.strip == p.block_n for name, p in many.items() if name != "qkv")
+        assert [name for name, p in many.items() if p.preload] == ["down"]
         for name, plan in many.items():
             n, k, gated = shapes[name]
             stage = (16 + plan.block_n * (2 if gated else 1)) * plan.block_k * 2
             assert (plan.stages - 1) * stage > H200[1] // 2, (name, rows)
     ordinary = plans(8, overlap=False)
-    assert not any(p.early for p in ordinary.values())
+    assert not any(p.early or p.preload for p in ordinary.values())
+    assert all(p.strip == p.block_n for p in ordinary.values())
     assert ordinary["gate_up"].block_n == 32 and ordinary["o"].stages == 6
     # A device of 64 SMs: o_proj's 128 programs are two waves, so it is not launched early,
     # nor is gate_up, which keeps its default strips.

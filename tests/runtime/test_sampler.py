@@ -121,3 +121,22 @@ def test_bf16_logits_sample_as_their_fp32_widening() -> None:
     assert tokens == wide_tokens
     assert tokens[:3] == logits.float()[:3].argmax(-1).tolist()
     assert lps == wide_lps and all(isinstance(v, float) for v in lps)
+
+
+def test_argmax_kernel_compiles_for_hopper_with_its_early_launch() -> None:
+    """The row argmax with and without the early launch's wait, and the host copy, to sm_90
+    PTX and SASS without a GPU."""
+    pytest.importorskip("triton")
+    from atom.kernels import triton_argmax
+    from atom.kernels.testing import compile_for_hopper
+
+    sig = {"x_ptr": "*bf16", "row_stride": "i32", "n_cols": "i32", "max_ptr": "*fp32",
+           "idx_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i64", "host_ptr": "*i64",
+           "n_slices": "i32", "CHUNK": "constexpr", "SLICES": "constexpr", "HOST": "constexpr",
+           "PDL": "constexpr"}
+    for host in (False, True):
+        for pdl in (False, True):
+            compiled = compile_for_hopper(triton_argmax._argmax_kernel, sig, {
+                "CHUNK": triton_argmax.CHUNK, "SLICES": 128, "HOST": host, "PDL": pdl},
+                num_warps=4)
+            assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl

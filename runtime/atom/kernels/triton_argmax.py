@@ -11,6 +11,10 @@ index).
 
 The picking program can also write the result into pinned host memory: the engine's copy of
 the sampled ids to the host then needs no kernel of its own (atom.engine.sampled_copy).
+
+On sm_90 and later the launch starts early (programmatic dependent launch): its programs are
+placed while the kernel before it (the logits' projection, which releases its dependents)
+still runs, and wait for it before reading anything; the step loses the launch's gap.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from atom.kernels.launch import zeroed_counters
+from atom.kernels.launch import programmatic_launch, zeroed_counters
 
 CHUNK = 1024  # elements a program reads
 
@@ -30,7 +35,10 @@ _MIN_COUNTERS = 1 << 13
 
 @triton.jit
 def _argmax_kernel(x_ptr, row_stride, n_cols, max_ptr, idx_ptr, count_ptr, out_ptr, host_ptr,
-                   n_slices, CHUNK: tl.constexpr, SLICES: tl.constexpr, HOST: tl.constexpr):
+                   n_slices, CHUNK: tl.constexpr, SLICES: tl.constexpr, HOST: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()  # launched early: the logits are complete only after this
     row = tl.program_id(0)
     part = tl.program_id(1)
     offs = part * CHUNK + tl.arange(0, CHUNK)
@@ -74,8 +82,9 @@ def argmax_rows(x: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tens
     maxima = torch.empty(rows, n_slices, dtype=torch.float32, device=x.device)
     index = torch.empty(rows, n_slices, dtype=torch.int32, device=x.device)
     counters = zeroed_counters(_COUNTERS, x.device, rows, _MIN_COUNTERS)
+    pdl = programmatic_launch(x.device)
     _argmax_kernel[(rows, n_slices)](
         x, x.stride(0), n_cols, maxima, index, counters, out, host if host is not None else out,
         n_slices, CHUNK=CHUNK, SLICES=triton.next_power_of_2(n_slices), HOST=host is not None,
-        num_warps=4)
+        PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out

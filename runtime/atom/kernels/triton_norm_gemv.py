@@ -49,6 +49,15 @@ ROW_WARPS = 8
 # several waves loses its start-up gain (bench/RESULTS.md, session 8).
 TILED_PDL_MAX_ROWS = 1
 ONE_WAVE_PDL_MAX_ROWS = MAX_ROWS
+# A one-wave early launch (2 to ONE_WAVE_PDL_MAX_ROWS rows) of a plain projection with K of at
+# least this many loads its first K step's weight tile before its wait: down_proj, 17 us a
+# step faster at 8 rows. At one row it gained nothing, and on qkv and o_proj, or on gate_up,
+# it lost (bench/RESULTS.md, sessions 10 and 12).
+TILED_PRELOAD_MIN_K = 4096
+# A one-wave early launch whose strips leave SMs idle takes fewer rows a program (a multiple of
+# 8, under BLOCK_N, the rest of the tile masked) so that its programs cover more SMs: qkv at
+# 3072 rows in 128 strips of 24 instead of 96 of 32 (bench/RESULTS.md, session 12).
+EVEN_STRIPS = True
 
 
 @triton.jit
@@ -91,36 +100,69 @@ def _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, strid
 
 
 @triton.jit
-def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x,
-                     stride_w, up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """_strip_dot_2d with each K step cut into SPLIT slices accumulated separately."""
+def _split_offsets(k0, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """[SPLIT, SUB] K offsets of the step at k0: slice s covers SUB consecutive elements."""
     SUB: tl.constexpr = BLOCK_K // SPLIT
-    # [SPLIT, SUB]: slice s of a K step covers SUB consecutive elements.
-    offs_k = tl.arange(0, SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
-    x_rows = x_ptr + rows_m[None, :, None] * stride_x  # [1, M, 1]
+    return k0 + tl.arange(0, SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+
+
+@triton.jit
+def _split_weights(w_ptr, offs_n, n_mask, k0, K, stride_w, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """The strip's weight tile of the K step at k0, in slices: [SPLIT, BLOCK_N, SUB]."""
+    kk = _split_offsets(k0, BLOCK_K, SPLIT)
     w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_w  # [1, N, 1]
+    return tl.load(w_rows + kk[:, None, :], mask=n_mask[None, :, None] & (kk < K)[:, None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, k0, K, stride_x,
+                stride_w, up_offset, w, acc, acc_up, gram, HAS_NORM: tl.constexpr,
+                GATED: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """One K step of _strip_dot_split against the weight tile w (and the up half, loaded
+    here when gated)."""
+    kk = _split_offsets(k0, BLOCK_K, SPLIT)
+    k_mask = kk < K
+    x = tl.load(x_ptr + rows_m[None, :, None] * stride_x + kk[:, None, :],
+                mask=m_mask[None, :, None] & k_mask[:, None, :], other=0.0)
+    if HAS_NORM:
+        gram += tl.dot(x, tl.permute(x, (0, 2, 1)), input_precision=PRECISION)
+        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        a = (x.to(tl.float32) * nw[:, None, :]).to(x.dtype)
+    else:
+        a = x
+    acc += tl.dot(a, tl.permute(w, (0, 2, 1)), input_precision=PRECISION)
+    if GATED:
+        wu = _split_weights(w_ptr + up_offset * stride_w, offs_n, n_mask, k0, K, stride_w,
+                            BLOCK_K, SPLIT)
+        acc_up += tl.dot(a, tl.permute(wu, (0, 2, 1)), input_precision=PRECISION)
+    return acc, acc_up, gram
+
+
+@triton.jit
+def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x,
+                     stride_w, up_offset, w0, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT: tl.constexpr, PRECISION: tl.constexpr, PRELOADED: tl.constexpr):
+    """_strip_dot_2d with each K step cut into SPLIT slices accumulated separately.
+    PRELOADED: w0 is the first K step's weight tile, already loaded (used first: the sums run
+    in the same order)."""
     acc = tl.zeros([SPLIT, BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([SPLIT, BLOCK_M, BLOCK_N], tl.float32)
     gram = tl.zeros([SPLIT, BLOCK_M, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        x = tl.load(x_rows + kk[:, None, :], mask=m_mask[None, :, None] & k_mask[:, None, :],
-                    other=0.0)
-        if HAS_NORM:
-            gram += tl.dot(x, tl.permute(x, (0, 2, 1)), input_precision=PRECISION)
-            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            a = (x.to(tl.float32) * nw[:, None, :]).to(x.dtype)
-        else:
-            a = x
-        w_mask = n_mask[None, :, None] & k_mask[:, None, :]
-        w = tl.load(w_rows + kk[:, None, :], mask=w_mask, other=0.0)
-        acc += tl.dot(a, tl.permute(w, (0, 2, 1)), input_precision=PRECISION)
-        if GATED:
-            wu = tl.load(w_rows + up_offset * stride_w + kk[:, None, :], mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, tl.permute(wu, (0, 2, 1)), input_precision=PRECISION)
+    start = 0
+    if PRELOADED:
+        acc, acc_up, gram = _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
+                                        0, K, stride_x, stride_w, up_offset, w0, acc, acc_up,
+                                        gram, HAS_NORM, GATED, BLOCK_K, SPLIT, PRECISION)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
+        w = _split_weights(w_ptr, offs_n, n_mask, k0, K, stride_w, BLOCK_K, SPLIT)
+        acc, acc_up, gram = _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
+                                        k0, K, stride_x, stride_w, up_offset, w, acc, acc_up,
+                                        gram, HAS_NORM, GATED, BLOCK_K, SPLIT, PRECISION)
     return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), _diagonal(tl.sum(gram, axis=0), BLOCK_M)
 
 
@@ -130,7 +172,8 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
                       HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      RELEASE: tl.constexpr, WAIT: tl.constexpr):
+                      RELEASE: tl.constexpr, WAIT: tl.constexpr, PRELOAD: tl.constexpr,
+                      STRIP: tl.constexpr):
     """SPLIT > 1: each K step is SPLIT slices of BLOCK_K // SPLIT, the batches of a 3-D dot,
     one warp each, accumulated separately and summed after the loop. With one accumulator
     every tensor-core op over the strip's K (K / 16 of them) waits for the one before, and at
@@ -142,25 +185,34 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     attention, the preloading kernel, a one-row projection) may start as soon as every program
     here has started; it waits for this kernel's results itself (griddepcontrol.wait).
     WAIT: this launch is such a kernel (tiled_plan's early): it waits for the kernel before
-    it before reading anything. (Releasing only after that wait measured slower.)"""
+    it before reading anything but its weights (no kernel of a forward writes them): with
+    PRELOAD (SPLIT > 1) the first K step's weight tile is loaded before the wait. (Releasing
+    only after that wait measured slower.)
+
+    STRIP: the weight rows a program takes (at most BLOCK_N; the tile's rows past it are
+    masked, and masked rows are not read)."""
     if RELEASE:
         gdc_launch_dependents()
-    if WAIT:
-        gdc_wait()
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid * STRIP + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
-    n_mask = offs_n < N
+    n_mask = (offs_n < N) & (tl.arange(0, BLOCK_N) < STRIP)
     rows_m = offs_m.to(tl.int64)
+    w0 = 0.0
+    if PRELOAD:
+        w0 = _split_weights(w_ptr, offs_n, n_mask, 0, K, stride_w, BLOCK_K, SPLIT)
+    if WAIT:
+        gdc_wait()
     if SPLIT == 1:
         acc, acc_up, sq = _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
                                         K, stride_x, stride_w, up_offset, HAS_NORM, GATED,
                                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     else:
         acc, acc_up, sq = _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask,
-                                           n_mask, K, stride_x, stride_w, up_offset, HAS_NORM,
-                                           GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PRECISION)
+                                           n_mask, K, stride_x, stride_w, up_offset, w0,
+                                           HAS_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
+                                           PRECISION, PRELOAD)
     if HAS_NORM:
         rstd = tl.rsqrt(sq / K + eps)
         acc = acc * rstd[:, None]
@@ -298,7 +350,9 @@ SMEM_BUDGET = 200 * 1024  # of an H100/H200 SM's 227 KiB: the pipelined tiles, w
 
 class TiledPlan(NamedTuple):
     """How gemv launches the tiled kernel: programs of BLOCK_N weight rows, the K step, warps,
-    pipeline stages, K slices, and whether the launch starts early (waiting at its start)."""
+    pipeline stages, K slices, whether the launch starts early (waiting at its start),
+    whether it loads its first weight tile before that wait (TILED_PRELOAD_MIN_K), and the
+    weight rows a program takes (BLOCK_N, or fewer: EVEN_STRIPS)."""
 
     programs: int
     block_n: int
@@ -307,6 +361,8 @@ class TiledPlan(NamedTuple):
     stages: int
     split: int
     early: bool
+    preload: bool
+    strip: int
 
 
 def _config(n: int, k: int, gated: bool, block_m: int, elem: int, min_smem: int = 0,
@@ -347,7 +403,13 @@ def tiled_plan(m: int, n: int, k: int, gated: bool, elem: int, overlap: bool, sm
     early = overlap and (m <= TILED_PDL_MAX_ROWS or (one_wave_rows and one_wave))
     if early and one_wave:
         config = _config(n, k, gated, block_m, elem, smem_per_sm // 2 + 1, wide)
-    return TiledPlan(programs, *config, early)
+    preload = (early and one_wave_rows and not gated and config[4] > 1
+               and k >= TILED_PRELOAD_MIN_K)
+    strip = config[0]
+    if EVEN_STRIPS and early and one_wave_rows and one_wave:
+        strip = min(strip, -(-triton.cdiv(n, sms) // 8) * 8)
+        programs = triton.cdiv(n, strip)
+    return TiledPlan(programs, *config, early, preload, strip)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -382,7 +444,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         HAS_RES=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=plan.split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", RELEASE=pdl, WAIT=plan.early,
-        launch_pdl=plan.early, num_warps=plan.warps, num_stages=plan.stages)
+        PRELOAD=plan.preload, STRIP=plan.strip, launch_pdl=plan.early, num_warps=plan.warps,
+        num_stages=plan.stages)
     return y
 
 
