@@ -119,3 +119,23 @@ def test_early_launches_give_the_ordinary_launchs_bits(rows: int, shape: str) ->
                                norm_weight=None if norm_w is None else norm_w.float(), eps=1e-5,
                                gated=gated, residual=None if res is None else res.float())
     _close(early, ref)
+
+
+@pytest.mark.parametrize("shape", [(1, HIDDEN), (300, HIDDEN), (5, 8, 128)])
+def test_rms_norm_op_matches_the_torch_math(shape: tuple[int, ...]) -> None:
+    """The model's RMSNorm on CUDA (the final norm; per-head q/k norms on a strided view of
+    the qkv rows) runs aiter::rms_norm, one kernel: within a rounding step of the torch math,
+    in the input's shape and dtype."""
+    from atom.layers.rmsnorm import RMSNorm, rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(len(shape))
+    dim = shape[-1]
+    norm = RMSNorm(dim, 1e-5).cuda().bfloat16()
+    norm.weight.data = 1 + _randn(gen, dim, scale=0.1)
+    wide = _randn(gen, *shape[:-1], 3 * dim)
+    x = wide[..., dim:2 * dim]  # a strided view, as q/k out of the qkv projection
+    out = norm(x)
+    ref = rms_norm(x, norm.weight, 1e-5)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.cuda.synchronize()

@@ -333,6 +333,20 @@ def _rmsnorm_kernel(x_ptr, nw_ptr, y_ptr, K, eps, stride_x, stride_y, BLOCK: tl.
     tl.store(y_ptr + row * stride_y + offs, (normed * nw).to(out_ty), mask=mask)
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a CUDA tensor of any leading shape, one program a
+    row, rounded where atom.layers.rmsnorm.rms_norm rounds (x and weight of one dtype)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rmsnorm_kernel[(rows.shape[0],)](rows, weight, y, k, eps, rows.stride(0), y.stride(0),
+                                          BLOCK=triton.next_power_of_2(k))
+    return y.view(x.shape)
+
+
 @triton.jit
 def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -475,12 +489,9 @@ def rows_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               ) -> torch.Tensor:
     """The same result for any number of rows: norm kernel, cuBLAS, SiLU-gate kernel, add
     (into out when given)."""
-    m, k = x.shape
-    if norm_weight is not None and m:
-        normed = torch.empty_like(x)
-        _rmsnorm_kernel[(m,)](x, norm_weight, normed, k, eps, x.stride(0), normed.stride(0),
-                              BLOCK=triton.next_power_of_2(k))
-        x = normed
+    m = x.shape[0]
+    if norm_weight is not None:
+        x = rms_norm_rows(x, norm_weight, eps)
     y = F.linear(x, weight, bias)
     if gated:
         n = weight.shape[0] // 2
