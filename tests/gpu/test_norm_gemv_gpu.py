@@ -124,8 +124,10 @@ def test_early_launches_give_the_ordinary_launchs_bits(rows: int, shape: str) ->
 @pytest.mark.parametrize("shape", [(1, HIDDEN), (300, HIDDEN), (5, 8, 128)])
 def test_rms_norm_op_matches_the_torch_math(shape: tuple[int, ...]) -> None:
     """The model's RMSNorm on CUDA (the final norm; per-head q/k norms on a strided view of
-    the qkv rows) runs aiter::rms_norm, one kernel: within a rounding step of the torch math,
-    in the input's shape and dtype."""
+    the qkv rows) runs aiter::rms_norm, one kernel and no copy: within a rounding step of the
+    torch math, in the input's shape and dtype."""
+    from torch.profiler import ProfilerActivity, profile
+
     from atom.layers.rmsnorm import RMSNorm, rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(len(shape))
@@ -134,8 +136,13 @@ def test_rms_norm_op_matches_the_torch_math(shape: tuple[int, ...]) -> None:
     norm.weight.data = 1 + _randn(gen, dim, scale=0.1)
     wide = _randn(gen, *shape[:-1], 3 * dim)
     x = wide[..., dim:2 * dim]  # a strided view, as q/k out of the qkv projection
-    out = norm(x)
+    norm(x)  # compiled outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = norm(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["_rmsnorm_kernel"], kernels
     ref = rms_norm(x, norm.weight, 1e-5)
     assert out.shape == x.shape and out.dtype == x.dtype
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
-    torch.cuda.synchronize()

@@ -50,8 +50,8 @@ ROW_WARPS = 8
 TILED_PDL_MAX_ROWS = 1
 ONE_WAVE_PDL_MAX_ROWS = MAX_ROWS
 # A one-wave early launch (2 to ONE_WAVE_PDL_MAX_ROWS rows) of a plain projection with K of at
-# least this many loads its first K step's weight tile before its wait: down_proj, 17 us a
-# step faster at 8 rows. At one row it gained nothing, and on qkv and o_proj, or on gate_up,
+# least this many loads its first K step's weight tile before its wait: down_proj, 8 to 10 us
+# a step faster at 8 rows. At one row it gained nothing, and on qkv and o_proj, or on gate_up,
 # it lost (bench/RESULTS.md, sessions 10 and 12).
 TILED_PRELOAD_MIN_K = 4096
 # A one-wave early launch whose strips leave SMs idle takes fewer rows a program (a multiple of
