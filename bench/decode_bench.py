@@ -397,8 +397,6 @@ def table(result: dict[str, Any]) -> str:
             for key, what in (("forward_ms", "forward"), ("step_ms", "engine step"),
                               ("steady_step_ms", "engine step, steady state"),
                               ("step_sync_ms", "engine step, synchronous")):
-                if any(key not in per[str(b)] for b in batches):
-                    continue
                 lines.append(f"| level {level} {mode} {what} | "
                              + " | ".join(f"{per[str(b)][key]:.3f}" for b in batches) + " |")
     if result.get("transformers"):
