@@ -74,12 +74,6 @@ ALTERNATIVES = {
                              ("atom.kernels.triton_decode_o_proj", "NUM_WARPS", 4)],
     # ... or at 8 warps (two per SM).
     "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
-    # The fused launch releasing the launch after it as its programs start.
-    "o-proj-release": ("atom.kernels.triton_decode_o_proj", "RELEASE_DEPENDENTS", True),
-    # ... and with the MLP launch releasing as its programs start.
-    "o-proj-release-mlp-at-start": [
-        ("atom.kernels.triton_decode_o_proj", "RELEASE_DEPENDENTS", True),
-        ("atom.kernels.triton_decode_mlp", "RELEASE_AT", "start")],
     # The fused launch with the weights loaded after the wait: what the preload buys.
     "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
     # The decode attention as an ordinary launch, not started early beside the qkv projection.
@@ -108,25 +102,6 @@ ALTERNATIVES = {
     "tiled-preload-plain": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 0),
     # One-wave early launches in strips of BLOCK_N rows (qkv at 8 rows: 96 programs, not 128).
     "full-strips": ("atom.kernels.triton_norm_gemv", "EVEN_STRIPS", False),
-    # The MLP at one row as two launches (gate_up, then down_proj), not one launch with a grid
-    # barrier between them (atom.kernels.triton_decode_mlp) ...
-    "mlp-two-launches": ("atom.kernels.triton_decode_mlp", "MAX_ROWS", 0),
-    # ... or as one launch with down_proj's first weight tile loaded before the barrier ...
-    "mlp-preload": ("atom.kernels.triton_decode_mlp", "PRELOAD_DOWN", True),
-    # ... or at 8 warps a program rather than 4 ...
-    "mlp-8-warps": ("atom.kernels.triton_decode_mlp", "WARPS", 8),
-    # ... or with pipelines in 150 KiB, not 200 (room beside the attention launch's programs) ...
-    "mlp-smem-150k": [("atom.kernels.triton_decode_mlp", "SMEM_BYTES", 150 * 1024),
-                      ("atom.kernels.triton_decode_mlp", "DOWN_K", 512)],
-    # ... or not launched early ...
-    "mlp-not-early": ("atom.kernels.triton_decode_mlp", "EARLY", False),
-    # ... or releasing the next launch (qkv) as its programs start, or once all have ended ...
-    "mlp-release-at-start": ("atom.kernels.triton_decode_mlp", "RELEASE_AT", "start"),
-    "mlp-no-release": ("atom.kernels.triton_decode_mlp", "RELEASE_AT", None),
-    # ... or with down_proj in K steps of 512 (two tiles more in flight) rather than 1024.
-    "mlp-down-k512": ("atom.kernels.triton_decode_mlp", "DOWN_K", 512),
-    # Waits on an in-launch counter polled by atomics, not by loads (the fused o_proj, the MLP).
-    "poll-by-atomic": ("atom.kernels.triton_norm_gemv", "POLL_BY_LOAD", False),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],

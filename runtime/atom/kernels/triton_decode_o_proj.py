@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from atom.kernels import triton_norm_gemv
 from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
 from atom.kernels.triton_norm_gemv import _row_strip, row_strip_rows
 from atom.layers.rotary import Rope
@@ -39,9 +37,6 @@ STRIP_BYTES = 64 * 1024
 NUM_WARPS = 8
 # False: the projection programs load their weights after the wait (bench/profile_decode.py).
 PRELOAD_WEIGHTS = True
-# Whether the kernel after the launch (launched early) may place its programs as soon as
-# every program here has started, rather than once all have ended.
-RELEASE_DEPENDENTS = False
 
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
@@ -72,14 +67,11 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
-                          POLL_BY_LOAD: tl.constexpr, RELEASE: tl.constexpr):
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
     first tickets are the splits that hold keys even for short contexts); the tickets after
     them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
     + 2 * LINE: strips done."""
-    if RELEASE:
-        gdc_launch_dependents()
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     done_ptr = sync_ptr + LINE
     pairs = n_attn // NUM_SPLITS
@@ -96,7 +88,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
         # Every (row, kv head) output is counted once, by whichever program writes it.
         _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
                    1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
-                   PRELOAD, PDL, True, POLL_BY_LOAD)
+                   PRELOAD, PDL, True)
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:
@@ -133,6 +125,4 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
         _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
         HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS,
-        POLL_BY_LOAD=triton_norm_gemv.POLL_BY_LOAD, RELEASE=RELEASE_DEPENDENTS,
-        num_warps=NUM_WARPS)
+        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, num_warps=NUM_WARPS)

@@ -70,15 +70,14 @@ def _diagonal(gram, BLOCK_M: tl.constexpr):
 def _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x, stride_w,
                   up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares).
-    STAGES: the loop's pipeline depth (None: the kernel's num_stages)."""
+                  PRECISION: tl.constexpr):
+    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :],
@@ -146,8 +145,7 @@ def _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, k0, K, str
 def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x,
                      stride_w, up_offset, w0, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, PRECISION: tl.constexpr, PRELOADED: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     SPLIT: tl.constexpr, PRECISION: tl.constexpr, PRELOADED: tl.constexpr):
     """_strip_dot_2d with each K step cut into SPLIT slices accumulated separately.
     PRELOADED: w0 is the first K step's weight tile, already loaded (used first: the sums run
     in the same order)."""
@@ -160,7 +158,7 @@ def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, st
                                         0, K, stride_x, stride_w, up_offset, w0, acc, acc_up,
                                         gram, HAS_NORM, GATED, BLOCK_K, SPLIT, PRECISION)
         start = BLOCK_K
-    for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(start, K, BLOCK_K):
         w = _split_weights(w_ptr, offs_n, n_mask, k0, K, stride_w, BLOCK_K, SPLIT)
         acc, acc_up, gram = _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
                                         k0, K, stride_x, stride_w, up_offset, w, acc, acc_up,
@@ -196,47 +194,25 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     if RELEASE:
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    offs_n, n_mask = _strip_rows(pid, N, BLOCK_N, STRIP)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * STRIP + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = (offs_n < N) & (tl.arange(0, BLOCK_N) < STRIP)
+    rows_m = offs_m.to(tl.int64)
     w0 = 0.0
     if PRELOAD:
         w0 = _split_weights(w_ptr, offs_n, n_mask, 0, K, stride_w, BLOCK_K, SPLIT)
     if WAIT:
         gdc_wait()
-    _projection_strip(offs_n, n_mask, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, K, eps,
-                      stride_x, stride_w, stride_r, stride_y, up_offset, w0, HAS_NORM, GATED,
-                      HAS_BIAS, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PRECISION, PRELOAD,
-                      None)
-
-
-@triton.jit
-def _strip_rows(pid, N, BLOCK_N: tl.constexpr, STRIP: tl.constexpr):
-    """Program pid's weight rows (BLOCK_N offsets, the first STRIP of them taken) and mask."""
-    offs_n = pid * STRIP + tl.arange(0, BLOCK_N)
-    return offs_n, (offs_n < N) & (tl.arange(0, BLOCK_N) < STRIP)
-
-
-@triton.jit
-def _projection_strip(offs_n, n_mask, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, K, eps,
-                      stride_x, stride_w, stride_r, stride_y, up_offset, w0,
-                      HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      PRELOADED: tl.constexpr, STAGES: tl.constexpr):
-    """y[:M, offs_n] from x's M rows and the strip's weight rows (w0: the first K step's tile,
-    already loaded, with PRELOADED): the K loop (STAGES deep; None: the kernel's num_stages),
-    then the norm, bias, gate and residual."""
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows_m = offs_m.to(tl.int64)
     if SPLIT == 1:
         acc, acc_up, sq = _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
                                         K, stride_x, stride_w, up_offset, HAS_NORM, GATED,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, STAGES)
+                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     else:
         acc, acc_up, sq = _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask,
                                            n_mask, K, stride_x, stride_w, up_offset, w0,
                                            HAS_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                                           PRECISION, PRELOADED, STAGES)
+                                           PRECISION, PRELOAD)
     if HAS_NORM:
         rstd = tl.rsqrt(sq / K + eps)
         acc = acc * rstd[:, None]
@@ -261,13 +237,9 @@ def _projection_strip(offs_n, n_mask, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_pt
 
 
 @triton.jit
-def _wait_for(count_ptr, target, BY_LOAD: tl.constexpr):
+def _wait_for(count_ptr, target):
     """Until the count at count_ptr reaches target (acquire: what its arrivals published is
-    visible after). BY_LOAD: polled with loads past L1 (POLL_BY_LOAD), then acquired once."""
-    if BY_LOAD:
-        seen = tl.load(count_ptr, volatile=True)
-        while seen < target:
-            seen = tl.load(count_ptr, volatile=True)
+    visible after)."""
     seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
@@ -278,7 +250,7 @@ def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, tar
                eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr,
-               PDL: tl.constexpr, COUNTED: tl.constexpr, POLL_BY_LOAD: tl.constexpr):
+               PDL: tl.constexpr, COUNTED: tl.constexpr):
     """y[:M, strip] = [RMSNorm](x) W[strip]^T (+ bias) (+ residual) for M <= BLOCK_M rows x,
     rounded where the tiled kernel rounds. The parameters (weights, norm weight, bias) are
     loaded first (with PRELOAD the whole strip, into registers); then, PDL: the wait for the
@@ -305,7 +277,7 @@ def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, tar
         res = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :],
                       mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     if COUNTED:
-        _wait_for(done_ptr, target, POLL_BY_LOAD)
+        _wait_for(done_ptr, target)
     if not PRELOAD:
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     out_ty = y_ptr.dtype.element_ty
@@ -340,7 +312,7 @@ def _row_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, N, K, eps, 
         gdc_launch_dependents()  # the decode attention after it may start as well
     _row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, M, N, K,
                eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM, HAS_BIAS, HAS_RES,
-               BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False, False)
+               BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False)
 
 
 def row_strip_rows(k: int, elem: int, strip_bytes: int) -> int:
@@ -386,11 +358,6 @@ def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr)
     silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs, (silu * up).to(out_ty), mask=mask)
 
-
-# Programs waiting on a counter that other programs of their launch count up (the fused
-# o_proj's wait for the attention outputs, the MLP launch's barrier) poll it with loads, and
-# take it with one acquiring atomic once it is reached. False: every poll is that atomic.
-POLL_BY_LOAD = True
 
 SMEM_BUDGET = 200 * 1024  # of an H100/H200 SM's 227 KiB: the pipelined tiles, with room
 

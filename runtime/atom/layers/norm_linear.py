@@ -2,9 +2,7 @@
 
 - `aiter::norm_linear`: RMSNorm then a projection (then SiLU(gate) * up for the MLP input);
 - `aiter::linear_add`: a projection plus the residual stream (o_proj, down_proj), which is
-  how the residual is carried: each layer's output projection writes the new stream;
-- `aiter::norm_mlp`: the two MLP projections, norm_linear (gated) then linear_add, in one op:
-  at one decode row on CUDA one launch (atom.kernels.triton_decode_mlp).
+  how the residual is carried: each layer's output projection writes the new stream.
 
 Both are opaque to Dynamo, like the attention op: every compilation level and graph mode runs
 the same implementation, so they produce the same tokens. On CUDA they run the fused Triton
@@ -74,33 +72,9 @@ def _linear_add_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _norm_mlp(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
-              gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-              down_bias: torch.Tensor | None, residual: torch.Tensor,
-              overlap: bool = False) -> torch.Tensor:
-    if x.is_cuda:
-        from atom.kernels import triton_decode_mlp as fused
-
-        if fused.decode_mlp_applies(x, gate_up, down):
-            return fused.decode_mlp(x, norm_weight, eps, gate_up, gate_up_bias, down,
-                                    down_bias, residual, overlap)
-    act = project(x, gate_up, gate_up_bias, norm_weight=norm_weight, eps=eps, gated=True,
-                  overlap=overlap)
-    return project(act, down, down_bias, residual=residual, overlap=overlap)
-
-
-def _norm_mlp_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-                   down_bias: torch.Tensor | None, residual: torch.Tensor,
-                   overlap: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], down.shape[0])
-
-
 direct_register_custom_op("norm_linear", _norm_linear, fake_impl=_norm_linear_fake,
                           dispatch_key=("CPU", "CUDA"))
 direct_register_custom_op("linear_add", _linear_add, fake_impl=_linear_add_fake,
-                          dispatch_key=("CPU", "CUDA"))
-direct_register_custom_op("norm_mlp", _norm_mlp, fake_impl=_norm_mlp_fake,
                           dispatch_key=("CPU", "CUDA"))
 
 
@@ -118,12 +92,3 @@ def linear_add(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor,
     """residual + proj(x): the residual stream after an output projection (overlap: as for
     norm_linear)."""
     return torch.ops.aiter.linear_add(x, proj.weight, proj.bias, residual, overlap)
-
-
-def norm_mlp(x: torch.Tensor, norm: torch.nn.Module, gate_up: torch.nn.Module,
-             down: torch.nn.Module, residual: torch.Tensor, overlap: bool = False
-             ) -> torch.Tensor:
-    """residual + down(SiLU(gate) * up of gate_up(norm(x))): linear_add after a gated
-    norm_linear, the same values (overlap: as for norm_linear)."""
-    return torch.ops.aiter.norm_mlp(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias,
-                                    down.weight, down.bias, residual, overlap)

@@ -13,7 +13,7 @@ from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.linear import Linear, MergedLinear
-from atom.layers.norm_linear import norm_linear, norm_mlp, project
+from atom.layers.norm_linear import linear_add, norm_linear, project
 from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 from atom.models.registry import ModelConfig
@@ -94,8 +94,9 @@ class LlamaDecoderLayer(nn.Module):
         # metadata, so each launch may start while the one before it ends.
         qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj, overlap=True)
         hidden = self.self_attn.attend(positions, qkv, hidden)
-        return norm_mlp(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj,
-                        self.mlp.down_proj, hidden, overlap=True)
+        act = norm_linear(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                          gated=True, overlap=True)
+        return linear_add(act, self.mlp.down_proj, hidden, overlap=True)
 
 
 @token_graph
