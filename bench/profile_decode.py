@@ -74,9 +74,6 @@ ALTERNATIVES = {
                              ("atom.kernels.triton_decode_o_proj", "NUM_WARPS", 4)],
     # ... or at 8 warps (two per SM).
     "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
-    # The fused launch with a program per decode item and per strip (more programs than SMs),
-    # not each program taking a strip and, for the first tickets, a decode item too.
-    "o-proj-roles-apart": ("atom.kernels.triton_decode_o_proj", "SHARED_PROGRAMS", False),
     # The fused launch with the weights loaded after the wait: what the preload buys.
     "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
     # The decode attention as an ordinary launch, not started early beside the qkv projection.

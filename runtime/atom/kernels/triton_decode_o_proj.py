@@ -21,15 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.launch import sm_resources
-from atom.kernels.triton_attention import (
-    _DECODE_TILE_N,
-    StepKV,
-    _decode_program,
-    decode_launch,
-    decode_num_splits,
-)
-from atom.kernels.triton_norm_gemv import _row_strip, _strip_weights, row_strip_rows
+from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
+from atom.kernels.triton_norm_gemv import _row_strip, row_strip_rows
 from atom.layers.rotary import Rope
 
 # Rows the fused launch takes: batch-1 decode. With 2 to 4 rows (a loop over them after the
@@ -44,12 +37,6 @@ STRIP_BYTES = 64 * 1024
 NUM_WARPS = 8
 # False: the projection programs load their weights after the wait (bench/profile_decode.py).
 PRELOAD_WEIGHTS = True
-# Each program takes a projection strip and, for the first n_attn tickets, a decode work item
-# before it (the decode split count capped so that they are no more than the strips), so the
-# launch is one program per strip and every program is resident from the start, its weights
-# loading while the attention runs. False: a program takes one or the other, and the strips
-# of the tickets after the first wave find an SM only as the attention programs end.
-SHARED_PROGRAMS = True
 
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
@@ -80,74 +67,35 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
-                          SHARED: tl.constexpr):
-    """Work items: the decode work items [0, n_attn) (row, kv head, split), split slowest
-    (the first are the splits that hold keys even for short contexts), and the projection
-    strips [0, n_proj). Apart (not SHARED): ticket t takes decode item t below n_attn, else
-    strip t - n_attn. SHARED (every program of the launch resident at once: the caller checks):
-    ticket t takes strip t (its weights loaded first) and decode item t, then applies the
-    strip. sync_ptr: tickets; + LINE: (row, kv head) outputs done; + 2 * LINE: programs done."""
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
+    first tickets are the splits that hold keys even for short contexts); the tickets after
+    them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
+    + 2 * LINE: strips done."""
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     done_ptr = sync_ptr + LINE
     pairs = n_attn // NUM_SPLITS
-    if SHARED:
-        w_held = 0.0
-        if PRELOAD:
-            w_held = _strip_weights(ticket, w_ptr, N, K, stride_w, BLOCK_N, BLOCK_K)
-        if ticket < n_attn:
-            _attend(ticket, pairs, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-                    ctx_ptr, bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
-                    cos_ptr, sin_ptr, done_ptr, scale, stride_q, stride_k, stride_v, stride_o,
-                    stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D,
-                    BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE,
-                    PDL)
-        # Every (row, kv head) output is counted once, by whichever program writes it.
-        _row_strip(ticket, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs, 1, N,
-                   K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
-                   PRELOAD, PDL, True, w_held, PRELOAD)
-        _finish(sync_ptr, done_ptr, tl.num_programs(0), LINE)
-    elif ticket < n_attn:
-        _attend(ticket, pairs, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr,
-                bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
-                done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
-                NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N,
-                Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, PDL)
+    if ticket < n_attn:
+        pair = ticket % pairs
+        _decode_program(pair // NUM_KV_HEADS, pair % NUM_KV_HEADS, ticket // pairs, q_ptr,
+                        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
+                        slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
+                        done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
+                        NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                        TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True,
+                        PDL)
     else:
+        # Every (row, kv head) output is counted once, by whichever program writes it.
         _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
                    1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
-                   PRELOAD, PDL, True, 0.0, False)
-        _finish(sync_ptr, done_ptr, tl.num_programs(0) - n_attn, LINE)
-
-
-@triton.jit
-def _attend(ticket, pairs, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr,
-            bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
-            done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
-            NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-            GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, Q_LEN: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-            ROPE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
-    """Decode work item `ticket` (split slowest), its output counted at done_ptr."""
-    pair = ticket % pairs
-    _decode_program(pair // NUM_KV_HEADS, pair % NUM_KV_HEADS, ticket // pairs, q_ptr, k_ptr,
-                    v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr, slot_ptr,
-                    part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, done_ptr,
-                    scale, stride_q, stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP,
-                    BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
-                    COMBINE_CHUNK, PRECISION, ROPE, STORE, True, PDL)
-
-
-@triton.jit
-def _finish(sync_ptr, done_ptr, counted, LINE: tl.constexpr):
-    """Count this program done; the last of the `counted` re-arms the launch's counters (every
-    ticket is taken and every wait is over)."""
-    finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
-    if finished == counted - 1:
-        tl.store(sync_ptr, 0)
-        tl.store(done_ptr, 0)
-        tl.store(sync_ptr + 2 * LINE, 0)
+                   PRELOAD, PDL, True)
+        n_proj = tl.num_programs(0) - n_attn
+        finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
+        if finished == n_proj - 1:
+            # Every ticket is taken and every wait is over: re-armed for the next launch.
+            tl.store(sync_ptr, 0)
+            tl.store(done_ptr, 0)
+            tl.store(sync_ptr + 2 * LINE, 0)
 
 
 def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -167,24 +115,14 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     assert out.shape[1] == k and proj_out.shape == (rows, n)
     assert o_weight.stride(-1) == 1 and proj_out.stride(-1) == 1
     assert residual is None or (residual.shape == (rows, n) and residual.stride(-1) == 1)
-    block_k = triton.next_power_of_2(k)
-    block_n = max(1, row_strip_rows(k, o_weight.element_size(), STRIP_BYTES))
-    n_proj = triton.cdiv(n, block_n)
-    kv_heads = k_cache.shape[2]
-    shared = (SHARED_PROGRAMS and q.is_cuda and kv_heads <= n_proj
-              and n_proj <= sm_resources(q.device)[0])
-    if shared and num_splits is None:  # the decode items fit the projection's programs
-        tiles = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], _DECODE_TILE_N)
-        num_splits = min(decode_num_splits(rows, kv_heads, tiles), n_proj // kv_heads)
     launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
                            num_heads, 1, num_splits, rope, new_kv, overlap)
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, row_strip_rows(k, o_weight.element_size(), STRIP_BYTES))
     n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
-    shared = shared and n_attn <= n_proj
     res = residual if residual is not None else proj_out
-    grid = n_proj if shared else n_attn + n_proj
-    _decode_o_proj_kernel[(grid,)](
+    _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
         _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
         HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, SHARED=shared,
-        num_warps=NUM_WARPS)
+        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, num_warps=NUM_WARPS)

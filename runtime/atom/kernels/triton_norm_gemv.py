@@ -246,27 +246,17 @@ def _wait_for(count_ptr, target):
 
 
 @triton.jit
-def _strip_weights(strip, w_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight rows [BLOCK_N, BLOCK_K] of _row_strip's strip, loaded (zeros past N, K)."""
-    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :],
-                   mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
 def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, M, N, K,
                eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr,
-               PDL: tl.constexpr, COUNTED: tl.constexpr, w_held, HELD: tl.constexpr):
+               PDL: tl.constexpr, COUNTED: tl.constexpr):
     """y[:M, strip] = [RMSNorm](x) W[strip]^T (+ bias) (+ residual) for M <= BLOCK_M rows x,
     rounded where the tiled kernel rounds. The parameters (weights, norm weight, bias) are
     loaded first (with PRELOAD the whole strip, into registers); then, PDL: the wait for the
     kernel before; COUNTED: the wait for done_ptr's count to reach target (x is written in this
     launch). Only then x and the residual (before the count's wait: the launch does not write
-    it). The strip is applied to one row at a time: it stays in registers across rows.
-    HELD: w_held is the strip's weights, loaded by the caller (_strip_weights)."""
+    it). The strip is applied to one row at a time: it stays in registers across rows."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -275,9 +265,7 @@ def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, tar
     k_mask = offs_k < K
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
     w_mask = n_mask[:, None] & k_mask[None, :]
-    if HELD:
-        w = w_held
-    elif PRELOAD:
+    if PRELOAD:
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -290,7 +278,7 @@ def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, tar
                       mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
     if COUNTED:
         _wait_for(done_ptr, target)
-    if not PRELOAD and not HELD:
+    if not PRELOAD:
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     out_ty = y_ptr.dtype.element_ty
     for r in tl.static_range(BLOCK_M):
@@ -324,7 +312,7 @@ def _row_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, N, K, eps, 
         gdc_launch_dependents()  # the decode attention after it may start as well
     _row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, M, N, K,
                eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM, HAS_BIAS, HAS_RES,
-               BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False, 0.0, False)
+               BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False)
 
 
 def row_strip_rows(k: int, elem: int, strip_bytes: int) -> int:
