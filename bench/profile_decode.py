@@ -74,10 +74,6 @@ ALTERNATIVES = {
                              ("atom.kernels.triton_decode_o_proj", "NUM_WARPS", 4)],
     # ... or at 8 warps (two per SM).
     "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
-    # The fused launch with each kv head's split partials combined by the last split to
-    # finish (which writes the output and counts it), not by the projection programs.
-    "o-proj-combine-in-attention": ("atom.kernels.triton_decode_o_proj", "DEFER_COMBINE",
-                                    False),
     # The fused launch with the weights loaded after the wait: what the preload buys.
     "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
     # The decode attention as an ordinary launch, not started early beside the qkv projection.

@@ -91,7 +91,7 @@ def test_fused_kernel_compiles_for_hopper_without_a_gpu() -> None:
               "COMBINE_CHUNK": 8, "PRECISION": None, "ROPE": True, "STORE": True,
               "HAS_BIAS": False, "HAS_RES": True,
               "BLOCK_N": fused.STRIP_BYTES // (2048 * 2), "BLOCK_K": 2048, "LINE": fused._LINE,
-              "PRELOAD": True, "PDL": True, "DEFER": True}
+              "PRELOAD": True, "PDL": True}
     sig |= {n: "constexpr" for n in consts}
     compiled = compile_for_hopper(fused._decode_o_proj_kernel, sig, consts,
                                   num_warps=fused.NUM_WARPS)

@@ -166,7 +166,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
                     part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, scale, stride_q,
                     stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H,
                     GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
-                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, PDL, False)
+                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, PDL)
 
 
 @triton.jit
@@ -209,14 +209,6 @@ def _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _split_tiles(kv_len, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
-    """(key tiles, tiles per split, splits holding tiles) of a row with kv_len keys."""
-    n_tiles = tl.cdiv(tl.maximum(kv_len, 0), TILE_N)
-    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
-    return n_tiles, per_split, tl.cdiv(n_tiles, per_split)
-
-
-@triton.jit
 def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     ctx_ptr, bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
                     cos_ptr, sin_ptr, done_ptr, scale, stride_q, stride_k, stride_v, stride_o,
@@ -225,7 +217,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                     Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
                     PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
-                    SIGNAL: tl.constexpr, PDL: tl.constexpr, DEFER: tl.constexpr):
+                    SIGNAL: tl.constexpr, PDL: tl.constexpr):
     """The split's tiles of TILE_N keys of one (row, kv head).
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
@@ -243,10 +235,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
       them in split order, so the result does not depend on arrival order, and re-arms the
       counter for the next launch (flash-decoding without a second kernel);
     - SIGNAL: whichever program writes a (row, kv head)'s final output then counts it at
-      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch);
-    - DEFER (with SIGNAL): every split holding keys (split 0 of a row without any) writes its
-      partial and counts it at done_ptr; the combine is left to the reader
-      (atom.kernels.triton_decode_o_proj, which reads the partials as its input).
+      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch).
     """
     # With several rows per sequence, a row reads the keys of the rows before it, which
     # another program would be storing in this same launch: the caller stores them first.
@@ -262,7 +251,9 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
     # The row's own key tiles, dealt in runs to the splits: a short context keeps many splits
     # busy however wide the block table (the launch is sized from the table, not the row).
     # Splits past the last run have nothing to do; split 0 of a row without keys writes zeros.
-    n_tiles, per_split, active = _split_tiles(kv_len, NUM_SPLITS, TILE_N)
+    n_tiles = tl.cdiv(tl.maximum(kv_len, 0), TILE_N)
+    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
+    active = tl.cdiv(n_tiles, per_split)
     if split < tl.maximum(active, 1):
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -336,12 +327,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         out_row = out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :]
-        if DEFER:
-            part = ((row64 * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split) * GROUP_P2 + offs_h
-            _store_partial(part_o_ptr, part_ml_ptr, part, o, m_i, l_i, offs_d, q_mask, h_mask,
-                           BLOCK_D)
-            _arrive(done_ptr)
-        elif active <= 1:
+        if active <= 1:
             tl.store(out_row, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             if SIGNAL:
                 _arrive(done_ptr)
@@ -349,8 +335,9 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
             # Partials of (row, kv head): [split, GROUP_P2 heads] (max, sum) and outputs.
             pair = row64 * NUM_KV_HEADS + kv_head
             part = (pair * NUM_SPLITS + split) * GROUP_P2 + offs_h
-            _store_partial(part_o_ptr, part_ml_ptr, part, o, m_i, l_i, offs_d, q_mask, h_mask,
-                           BLOCK_D)
+            tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=q_mask)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
             tl.debug_barrier()  # every thread's partial is written before the arrival is
             arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
@@ -360,15 +347,6 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
                 tl.store(count_ptr + pair, 0)  # re-armed: the next launch starts from zero
                 if SIGNAL:
                     _arrive(done_ptr)
-
-
-@triton.jit
-def _store_partial(part_o_ptr, part_ml_ptr, part, o, m_i, l_i, offs_d, q_mask, h_mask,
-                   BLOCK_D: tl.constexpr):
-    """A split's partial at index part (per head): its normalised output, max and sum."""
-    tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=q_mask)
-    tl.store(part_ml_ptr + part * 2, m_i, mask=h_mask)
-    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_mask)
 
 
 @triton.jit

@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from atom.kernels.triton_attention import StepKV, _decode_program, _split_tiles, decode_launch
-from atom.kernels.triton_norm_gemv import _row_strip, _wait_for, row_strip_rows
+from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
+from atom.kernels.triton_norm_gemv import _row_strip, row_strip_rows
 from atom.layers.rotary import Rope
 
 # Rows the fused launch takes: batch-1 decode. With 2 to 4 rows (a loop over them after the
@@ -38,11 +37,6 @@ STRIP_BYTES = 64 * 1024
 NUM_WARPS = 8
 # False: the projection programs load their weights after the wait (bench/profile_decode.py).
 PRELOAD_WEIGHTS = True
-# The attention's splits write partials only, and each projection program combines all of
-# them as it reads its input (one round trip through L2 and one count fewer on the
-# attention's path than the last split combining a kv head's partials, writing the output
-# and counting it). False: that last-split combine.
-DEFER_COMBINE = True
 
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
@@ -73,8 +67,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
-                          DEFER: tl.constexpr):
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
     first tickets are the splits that hold keys even for short contexts); the tickets after
     them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
@@ -90,18 +83,12 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                         done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
                         NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                         TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True,
-                        PDL, DEFER)
-    elif DEFER:
-        _combining_strip(ticket - n_attn, out_ptr, ctx_ptr, part_o_ptr, part_ml_ptr, w_ptr, b_ptr,
-                         res_ptr, y_ptr, done_ptr, N, K, stride_w, NUM_KV_HEADS, GROUP_P2,
-                         BLOCK_D, TILE_N, NUM_SPLITS, COMBINE_CHUNK, HAS_BIAS, HAS_RES, BLOCK_N,
-                         BLOCK_K, PRELOAD, PDL)
+                        PDL)
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
         _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
                    1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
                    PRELOAD, PDL, True)
-    if ticket >= n_attn:
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:
@@ -109,81 +96,6 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
             tl.store(sync_ptr, 0)
             tl.store(done_ptr, 0)
             tl.store(sync_ptr + 2 * LINE, 0)
-
-
-@triton.jit
-def _combined_output(ctx_ptr, part_o_ptr, part_ml_ptr, done_ptr, NUM_KV_HEADS: tl.constexpr,
-                     GROUP_P2: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                     out_ty: tl.constexpr):
-    """The row's attention output [BLOCK_K] (every head, rounded to out_ty) from the splits'
-    partials (DEFER), once all are counted at done_ptr: triton_attention._combine_splits for
-    every kv head at once (splits in order, CHUNK at a time)."""
-    _, _, active = _split_tiles(tl.load(ctx_ptr), NUM_SPLITS, TILE_N)
-    writers = tl.maximum(active, 1)
-    _wait_for(done_ptr, NUM_KV_HEADS * writers)
-    offs_p = tl.arange(0, NUM_KV_HEADS)
-    offs_c = tl.arange(0, CHUNK)
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_run = tl.full([NUM_KV_HEADS, GROUP_P2], float("-inf"), tl.float32)
-    l_run = tl.zeros([NUM_KV_HEADS, GROUP_P2], tl.float32)
-    acc = tl.zeros([NUM_KV_HEADS, GROUP_P2, BLOCK_D], tl.float32)
-    for s0 in range(0, writers, CHUNK):
-        s = s0 + offs_c
-        part = ((offs_p[:, None] * NUM_SPLITS + s[None, :]) * GROUP_P2)[:, :, None] \
-            + offs_g[None, None, :]  # [kv heads, CHUNK, heads of the group]
-        mask = (s < writers)[None, :, None] & (offs_g < GROUP_P2)[None, None, :]
-        m = tl.load(part_ml_ptr + part * 2, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=mask, other=0.0, cache_modifier=".cg")
-        o = tl.load(part_o_ptr + part[:, :, :, None] * BLOCK_D + offs_d[None, None, None, :],
-                    mask=mask[:, :, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = lsum * tl.exp(m - m_safe[:, None, :])  # a split that saw no key has l = 0
-        alpha = tl.exp(m_run - m_safe)
-        l_run = l_run * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, :, None] + tl.sum(w[:, :, :, None] * o, 1)
-        m_run = m_new
-    res = acc / tl.where(l_run > 0, l_run, 1.0)[:, :, None]
-    return tl.reshape(res, [BLOCK_K]).to(out_ty)
-
-
-@triton.jit
-def _combining_strip(strip, out_ptr, ctx_ptr, part_o_ptr, part_ml_ptr, w_ptr, b_ptr, res_ptr,
-                     y_ptr, done_ptr, N, K, stride_w, NUM_KV_HEADS: tl.constexpr,
-                     GROUP_P2: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRELOAD: tl.constexpr, PDL: tl.constexpr):
-    """_row_strip for the one row, its input combined here from the attention's partials
-    (DEFER); the strip also writes its share of the attention output into out_ptr."""
-    offs_n = strip * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    if PRELOAD:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_wait()
-    if HAS_RES:
-        res = tl.load(res_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    out_ty = y_ptr.dtype.element_ty
-    x = _combined_output(ctx_ptr, part_o_ptr, part_ml_ptr, done_ptr, NUM_KV_HEADS, GROUP_P2,
-                         BLOCK_D, TILE_N, NUM_SPLITS, CHUNK, BLOCK_K, out_ty)
-    share = tl.cdiv(K, tl.cdiv(N, BLOCK_N))  # of the attention output, written by this strip
-    tl.store(out_ptr + offs_k, x, mask=offs_k // share == strip)
-    if not PRELOAD:
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if HAS_BIAS:
-        acc += bias
-    out = acc.to(out_ty).to(tl.float32)
-    if HAS_RES:
-        out += res
-    tl.store(y_ptr + offs_n, out.to(out_ty), mask=n_mask)
 
 
 def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -209,15 +121,8 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     block_n = max(1, row_strip_rows(k, o_weight.element_size(), STRIP_BYTES))
     n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
     res = residual if residual is not None else proj_out
-    c = launch.constants
-    # The projection programs combine the splits' partials themselves where the heads fill
-    # the row exactly (no padded head or dimension) and the launch has partials.
-    defer = (DEFER_COMBINE and launch.grid[2] > 1 and c["GROUP"] == c["GROUP_P2"]
-             and c["HEAD_DIM"] == c["BLOCK_D"] and k == block_k
-             and k == c["NUM_KV_HEADS"] * c["GROUP"] * c["HEAD_DIM"]
-             and triton.next_power_of_2(c["NUM_KV_HEADS"]) == c["NUM_KV_HEADS"])
     _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
         _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
         HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, DEFER=defer, num_warps=NUM_WARPS)
+        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, num_warps=NUM_WARPS)
