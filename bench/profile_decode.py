@@ -96,6 +96,9 @@ ALTERNATIVES = {
     # ... or at most 1 or 4 splits per row (no combine, or a combine of 4 partials).
     "decode-splits-1": ("atom.kernels.triton_attention", "_MAX_SPLITS", 1),
     "decode-splits-4": ("atom.kernels.triton_attention", "_MAX_SPLITS", 4),
+    # Key tiles of 32 rather than 64 (at one row and 512 tokens: 16 splits a kv head hold keys,
+    # not 8).
+    "decode-tile-32": ("atom.kernels.triton_attention", "_DECODE_TILE_N", 32),
     # Early tiled launches with no weight tile loaded before their wait (down_proj loads one) ...
     "tiled-no-preload": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 1 << 30),
     # ... or every plain early launch loading one (qkv and o_proj at 2-16 rows too).
