@@ -105,14 +105,6 @@ ALTERNATIVES = {
     "tiled-preload-plain": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 0),
     # One-wave early launches in strips of BLOCK_N rows (qkv at 8 rows: 96 programs, not 128).
     "full-strips": ("atom.kernels.triton_norm_gemv", "EVEN_STRIPS", False),
-    # At one row, down_proj's programs placed beside gate_up's (5 or 4 stages a gate_up
-    # program leave room) and loading their first weight tile before the wait; and each half.
-    "down-beside-gate-up": [("atom.kernels.triton_norm_gemv", "GATED_STAGES", 5),
-                            ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_ONE_ROW", True)],
-    "down-beside-gate-up-4": [("atom.kernels.triton_norm_gemv", "GATED_STAGES", 4),
-                              ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_ONE_ROW", True)],
-    "gate-up-5-stages": ("atom.kernels.triton_norm_gemv", "GATED_STAGES", 5),
-    "down-preload-one-row": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_ONE_ROW", True),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],

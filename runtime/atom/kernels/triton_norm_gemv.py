@@ -58,12 +58,6 @@ TILED_PRELOAD_MIN_K = 4096
 # 8, under BLOCK_N, the rest of the tile masked) so that its programs cover more SMs: qkv at
 # 3072 rows in 128 strips of 24 instead of 96 of 32 (bench/RESULTS.md, session 12).
 EVEN_STRIPS = True
-# Experiment (session 14): pipeline stages of the gated MLP input's strips of 32 rows, and
-# whether an early one-row launch loads its first weight tile before its wait. At 5 stages two
-# gate_up programs and one down_proj program fit one SM's shared memory, so down_proj's
-# programs are placed, and load their first tile, while gate_up still streams.
-GATED_STAGES = 6
-TILED_PRELOAD_ONE_ROW = False
 
 
 @triton.jit
@@ -392,7 +386,7 @@ def _config(n: int, k: int, gated: bool, block_m: int, elem: int, min_smem: int 
     the Llama-3.2-1B shapes; one K slice per warp except for the gated input; the pipeline
     depth is what fits the shared-memory budget, and at least min_smem bytes where that fits."""
     if gated:
-        block_n, block_k, stages, split = (64, 64, 4, 1) if wide else (32, 64, GATED_STAGES, 1)
+        block_n, block_k, stages, split = (64, 64, 4, 1) if wide else (32, 64, 6, 1)
     elif n > 16384:  # the logits' projection: vocabulary rows (norm_gemv_sweep.py --lm-head)
         block_n, block_k, stages, split = 32, 512, 3, 4
     elif n <= 2048 and k >= 4096:  # down_proj: long K, 1 KB of each row per step
@@ -423,8 +417,8 @@ def tiled_plan(m: int, n: int, k: int, gated: bool, elem: int, overlap: bool, sm
     early = overlap and (m <= TILED_PDL_MAX_ROWS or (one_wave_rows and one_wave))
     if early and one_wave:
         config = _config(n, k, gated, block_m, elem, smem_per_sm // 2 + 1, wide)
-    preload = (early and (one_wave_rows or (m == 1 and TILED_PRELOAD_ONE_ROW and one_wave))
-               and not gated and config[4] > 1 and k >= TILED_PRELOAD_MIN_K)
+    preload = (early and one_wave_rows and not gated and config[4] > 1
+               and k >= TILED_PRELOAD_MIN_K)
     strip = config[0]
     if EVEN_STRIPS and early and one_wave_rows and one_wave:
         strip = min(strip, -(-triton.cdiv(n, sms) // 8) * 8)
