@@ -13,6 +13,7 @@ Logits (--lm-head): the vocabulary projection (tied embeddings) by cuBLAS, as th
 runs it, against the tiled kernel per tile configuration, plain and with the final norm.
 
     python bench/norm_gemv_sweep.py --out sweep.json [--rows 1 8] [--skip-tiles] [--lm-head]
+        [--only gate_up ...]
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ CONFIGS = {
     "qkv": [(32, 512, 4, 3, 1), (32, 512, 4, 3, 4), (32, 256, 4, 4, 4), (16, 512, 4, 3, 4),
             (32, 512, 8, 3, 8)],
     "gate_up": [(32, 64, 4, 6, 1), (64, 64, 4, 4, 1), (32, 128, 4, 4, 1), (16, 128, 4, 6, 1),
-                (32, 64, 4, 6, 4)],
+                (32, 64, 4, 6, 4),
+                # longer K steps (a weight row's 512 B to 2 KB at a time), K in slices
+                (32, 128, 4, 6, 2), (32, 256, 4, 4, 4), (16, 256, 4, 6, 4), (16, 512, 4, 3, 4),
+                (32, 512, 8, 3, 8), (64, 256, 8, 3, 8), (16, 1024, 4, 2, 4), (16, 1024, 8, 3, 8)],
     "o": [(16, 512, 4, 3, 1), (16, 512, 4, 3, 4), (16, 1024, 4, 3, 4), (16, 512, 8, 3, 8),
           (16, 256, 4, 6, 4)],
     "down": [(16, 512, 4, 3, 1), (16, 512, 4, 3, 4), (16, 1024, 4, 3, 4), (16, 1024, 8, 3, 8),
@@ -132,6 +136,8 @@ def main() -> None:
     ap.add_argument("--skip-tiles", action="store_true", help="only the 16-layer chain")
     ap.add_argument("--lm-head", action="store_true",
                     help="also the logits' projection, cuBLAS against the tiled kernel")
+    ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS),
+                    help="time these projections' tiles only")
     args = ap.parse_args()
     # name: variants; o and down carry the residual add.
     variant_names = {"qkv": ("plain", "norm"), "gate_up": ("plain", "norm"), "o": ("res",),
@@ -141,6 +147,8 @@ def main() -> None:
                               "chain": chain(kernels, args.rows)}
     shapes = {**({} if args.skip_tiles else SHAPES),
               **({"lm_head": (VOCAB, HIDDEN)} if args.lm_head else {})}
+    if args.only:
+        shapes = {name: shape for name, shape in shapes.items() if name in args.only}
     variant_names["lm_head"] = ("plain", "norm")
     for m in args.rows if shapes else []:
         res = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
