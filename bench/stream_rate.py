@@ -1,0 +1,154 @@
+"""How fast persistent programs, one per SM, can stream weight tiles from HBM (issue 5).
+
+A question for a one-launch decode forward: can one program per SM keep a batch-1 weight stream
+at the device's read rate, and how must it issue its loads? Each program streams its own
+contiguous rows of a 2 GiB bf16 matrix [rows, 2048] as tiles of ROWS x BLOCK_K, multiplying
+each by the matching chunk of an input vector (as a GEMV does) into per-row sums:
+- "ring": the next DEPTH tiles' loads issued ahead into registers (the loop unrolled DEPTH
+  times, each slot reloaded as soon as it is used), no shared memory;
+- "pipelined": a plain loop over the tiles, pipelined by Triton (num_stages, via shared memory).
+Beside them: a copy of the same bytes (torch) and one program per tile row group (many
+programs a SM, scheduled by the hardware). Median of 20 timed calls; TB/s of weight bytes read.
+
+    python bench/stream_rate.py --out stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(w_ptr, t, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, KC: tl.constexpr):
+    """Tile t: rows (t // KC) * ROWS.., columns (t % KC) * BLOCK_K.."""
+    rows = (t // KC) * ROWS + tl.arange(0, ROWS)
+    cols = (t % KC) * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :])
+
+
+@triton.jit
+def _use(acc, w, x_ptr, t, BLOCK_K: tl.constexpr, KC: tl.constexpr):
+    xk = tl.load(x_ptr + (t % KC) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+
+
+@triton.jit
+def _ring_kernel(w_ptr, x_ptr, y_ptr, tiles, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 KC: tl.constexpr, DEPTH: tl.constexpr):
+    """tiles per program, DEPTH (2 to 4) tile loads always in flight ahead of the use."""
+    pid = tl.program_id(0)
+    t0 = pid * tiles
+    last = t0 + tiles - 1
+    acc = tl.zeros([ROWS], tl.float32)
+    b0 = _tile(w_ptr, t0, K, ROWS, BLOCK_K, KC)
+    b1 = _tile(w_ptr, tl.minimum(t0 + 1, last), K, ROWS, BLOCK_K, KC)
+    b2 = b1
+    b3 = b1
+    if DEPTH >= 3:
+        b2 = _tile(w_ptr, tl.minimum(t0 + 2, last), K, ROWS, BLOCK_K, KC)
+    if DEPTH >= 4:
+        b3 = _tile(w_ptr, tl.minimum(t0 + 3, last), K, ROWS, BLOCK_K, KC)
+    for i in range(0, tiles, DEPTH):
+        t = t0 + i
+        acc = _use(acc, b0, x_ptr, t, BLOCK_K, KC)
+        b0 = _tile(w_ptr, tl.minimum(t + DEPTH, last), K, ROWS, BLOCK_K, KC)
+        acc = _use(acc, b1, x_ptr, t + 1, BLOCK_K, KC)
+        b1 = _tile(w_ptr, tl.minimum(t + 1 + DEPTH, last), K, ROWS, BLOCK_K, KC)
+        if DEPTH >= 3:
+            acc = _use(acc, b2, x_ptr, t + 2, BLOCK_K, KC)
+            b2 = _tile(w_ptr, tl.minimum(t + 2 + DEPTH, last), K, ROWS, BLOCK_K, KC)
+        if DEPTH >= 4:
+            acc = _use(acc, b3, x_ptr, t + 3, BLOCK_K, KC)
+            b3 = _tile(w_ptr, tl.minimum(t + 3 + DEPTH, last), K, ROWS, BLOCK_K, KC)
+    tl.store(y_ptr + pid * ROWS + tl.arange(0, ROWS), acc)
+
+
+@triton.jit
+def _pipelined_kernel(w_ptr, x_ptr, y_ptr, tiles, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                      KC: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros([ROWS], tl.float32)
+    for i in range(0, tiles):
+        t = pid * tiles + i
+        acc = _use(acc, _tile(w_ptr, t, K, ROWS, BLOCK_K, KC), x_ptr, t, BLOCK_K, KC)
+    tl.store(y_ptr + pid * ROWS + tl.arange(0, ROWS), acc)
+
+
+def timed(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def rate(kernel, programs: int, used: int, args: tuple, **kw) -> float | str:
+    """TB/s of `used` weight bytes read by one launch, or why it did not run."""
+    def launch() -> None:
+        kernel[(programs,)](*args, **kw)
+    try:
+        return used / timed(launch) / 1e12
+    except Exception as exc:  # out of registers or shared memory  # noqa: BLE001
+        return repr(exc)[:80]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gib", type=float, default=2.0)
+    args = ap.parse_args()
+    K = 2048
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = int(args.gib * (1 << 30)) // (K * 2)
+    w = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(K, device="cuda", dtype=torch.bfloat16)
+    nbytes = w.numel() * 2
+    out: dict[str, float | str] = {}
+    copy = torch.empty_like(w)
+    out["torch copy (read + write)"] = nbytes * 2 / timed(lambda: copy.copy_(w)) / 1e12
+    copy = None
+    for row_tile, block_k in ((8, 1024), (16, 512), (16, 1024), (32, 256)):
+        kc = K // block_k
+        tiles = rows // row_tile * kc // sms // 4 * 4
+        used = tiles * sms * row_tile * block_k * 2
+        y = torch.empty(sms * row_tile, device="cuda", dtype=torch.float32)
+        shape = dict(ROWS=row_tile, BLOCK_K=block_k, KC=kc)
+        for warps in (4, 8):
+            for depth in (2, 3, 4):
+                name = f"ring {row_tile}x{block_k} depth {depth} warps {warps} x{sms}"
+                out[name] = rate(_ring_kernel, sms, used, (w, x, y, tiles, K), DEPTH=depth,
+                                 num_warps=warps, **shape)
+                print(name, out[name], flush=True)
+            for stages in (3, 6):
+                name = f"pipelined {row_tile}x{block_k} stages {stages} warps {warps} x{sms}"
+                out[name] = rate(_pipelined_kernel, sms, used, (w, x, y, tiles, K),
+                                 num_warps=warps, num_stages=stages, **shape)
+                print(name, out[name], flush=True)
+        # 64 tiles a program, many programs a SM (placed by the hardware)
+        programs = rows // row_tile * kc // 64
+        y = torch.empty(programs * row_tile, device="cuda", dtype=torch.float32)
+        name = f"many programs {row_tile}x{block_k} stages 3 warps 4 x{programs}"
+        out[name] = rate(_pipelined_kernel, programs, programs * 64 * row_tile * block_k * 2,
+                         (w, x, y, 64, K), num_warps=4, num_stages=3, **shape)
+        print(name, out[name], flush=True)
+    result = {"device": torch.cuda.get_device_name(), "sms": sms, "bytes": nbytes,
+              "tb_per_s": {k: (round(v, 3) if isinstance(v, float) else v)
+                           for k, v in out.items()}}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
