@@ -80,6 +80,20 @@ def _pipelined_kernel(w_ptr, x_ptr, y_ptr, tiles, K, ROWS: tl.constexpr, BLOCK_K
     tl.store(y_ptr + pid * ROWS + tl.arange(0, ROWS), acc)
 
 
+@triton.jit
+def _tma_kernel(desc, x_ptr, y_ptr, tiles, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                KC: tl.constexpr, STAGES: tl.constexpr):
+    """The plain loop with each tile fetched by the tensor memory accelerator into shared
+    memory (a host-built descriptor), STAGES tiles in flight: no registers held per load."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([ROWS], tl.float32)
+    for i in tl.range(0, tiles, num_stages=STAGES):
+        t = pid * tiles + i
+        w = desc.load([(t // KC) * ROWS, (t % KC) * BLOCK_K])
+        acc = _use(acc, w, x_ptr, t, BLOCK_K, KC)
+    tl.store(y_ptr + pid * ROWS + tl.arange(0, ROWS), acc)
+
+
 def timed(fn, iters: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -108,6 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--tma-only", action="store_true")
     args = ap.parse_args()
     K = 2048
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -119,6 +134,22 @@ def main() -> None:
     copy = torch.empty_like(w)
     out["torch copy (read + write)"] = nbytes * 2 / timed(lambda: copy.copy_(w)) / 1e12
     copy = None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for row_tile, block_k in ((32, 256), (64, 256), (64, 128)):
+        kc = K // block_k
+        tiles = rows // row_tile * kc // sms // 4 * 4
+        used = tiles * sms * row_tile * block_k * 2
+        y = torch.empty(sms * row_tile, device="cuda", dtype=torch.float32)
+        desc = TensorDescriptor.from_tensor(w, [row_tile, block_k])
+        for warps in (4, 8):
+            for stages in (4, 6, 8):
+                name = f"tma {row_tile}x{block_k} stages {stages} warps {warps} x{sms}"
+                out[name] = rate(_tma_kernel, sms, used, (desc, x, y, tiles), ROWS=row_tile,
+                                 BLOCK_K=block_k, KC=kc, STAGES=stages, num_warps=warps)
+                print(name, out[name], flush=True)
+    if args.tma_only:
+        return
     for row_tile, block_k in ((8, 1024), (16, 512), (16, 1024), (32, 256)):
         kc = K // block_k
         tiles = rows // row_tile * kc // sms // 4 * 4
