@@ -148,9 +148,8 @@ def main() -> None:
                 out[name] = rate(_tma_kernel, sms, used, (desc, x, y, tiles), ROWS=row_tile,
                                  BLOCK_K=block_k, KC=kc, STAGES=stages, num_warps=warps)
                 print(name, out[name], flush=True)
-    if args.tma_only:
-        return
-    for row_tile, block_k in ((8, 1024), (16, 512), (16, 1024), (32, 256)):
+    ring_tiles = () if args.tma_only else ((8, 1024), (16, 512), (16, 1024), (32, 256))
+    for row_tile, block_k in ring_tiles:
         kc = K // block_k
         tiles = rows // row_tile * kc // sms // 4 * 4
         used = tiles * sms * row_tile * block_k * 2
