@@ -44,7 +44,7 @@ GATE_UP_K, GATE_UP_STAGES = 64, 6
 DOWN_K, DOWN_SPLIT, DOWN_STAGES = 1024, 4, 3
 # o_proj's strip loaded before the program's decode items (False: after them).
 O_BEFORE_ATTENTION = False
-# Timing ablations (wrong results): 1, no attention work; 2, no attention and no waits.
+# Timing ablations (wrong results): 1, no attention work.
 ABLATE = 0
 
 _LINE = 32  # counters a 128-byte line apart
@@ -112,7 +112,7 @@ def _decode_layers_kernel(
         # qkv = RMSNorm(x) Wqkv^T, its first weight tile loaded while the last layer ends.
         wq = wqkv_ptr + lay * QKV_N * H
         w0 = _split_weights(wq, q_rows, q_mask, 0, H, H, QKV_K, QKV_SPLIT)
-        _wait_for(down_done, programs * layer if ABLATE != 2 else 0)
+        _wait_for(down_done, programs * layer)
         qkv_l = qkv_ptr + lay * QKV_N
         _projection_strip(q_rows, q_mask, x_ptr, n1_ptr + lay * H, wq, wq, wq, qkv_l, 1, H, eps,
                           H, H, 0, QKV_N, 0, w0, True, False, False, False, 16, QKV_N_BLOCK,
@@ -126,7 +126,7 @@ def _decode_layers_kernel(
         offs_q = tl.arange(0, Q_SIZE)
         if O_FIRST:
             wo_strip = tl.load(wo + o_rows.to(tl.int64)[:, None] * Q_SIZE + offs_q[None, :])
-        for item in range(pid, n_items if ABLATE == 0 else 0, programs):
+        for item in range(pid, n_items if ABLATE != 1 else 0, programs):
             _decode_program(pid * 0, item % NUM_KV_HEADS, item // NUM_KV_HEADS, qkv_l,
                             qkv_l + Q_SIZE, qkv_l + Q_SIZE + KV_SIZE,
                             k_cache_ptr + lay * kv_layer_stride,
@@ -140,7 +140,7 @@ def _decode_layers_kernel(
         mid_l = mid_ptr + lay * H
         if O_FIRST:
             res = tl.load(x_ptr + o_rows).to(tl.float32)
-            if ABLATE == 0:
+            if ABLATE != 1:
                 _wait_for(attn_done, NUM_KV_HEADS * (layer + 1))
             a = tl.load(attn_l + offs_q, cache_modifier=".cg").to(tl.float32)
             o = tl.sum(wo_strip.to(tl.float32) * a[None, :], axis=1)
@@ -148,13 +148,13 @@ def _decode_layers_kernel(
             tl.store(mid_l + o_rows, (o.to(dt).to(tl.float32) + res).to(dt))
         else:
             _row_strip(pid, attn_l, attn_l, wo, wo, x_ptr, mid_l, attn_done,
-                       NUM_KV_HEADS * (layer + 1) if ABLATE == 0 else 0, 1, H, Q_SIZE, 0.0, 0,
+                       NUM_KV_HEADS * (layer + 1) if ABLATE != 1 else 0, 1, H, Q_SIZE, 0.0, 0,
                        Q_SIZE, 0, 0, False, False, True, 1, O_ROWS, Q_SIZE, True, False, True)
         _arrive(o_done)
         # SiLU(gate) * up of RMSNorm(mid) W_gate_up^T.
         wg = wgu_ptr + lay * 2 * INTER * H
         act_l = act_ptr + lay * INTER
-        _wait_for(o_done, programs * (layer + 1) if ABLATE != 2 else 0)
+        _wait_for(o_done, programs * (layer + 1))
         _projection_strip(g_rows, g_mask, mid_l, n2_ptr + lay * H, wg, wg, wg, act_l, 1, H, eps,
                           H, H, 0, INTER, INTER, 0.0, True, True, False, False, 16, GU_ROWS,
                           GU_K, 1, GEMV_PRECISION, False, GU_STAGES)
@@ -162,7 +162,7 @@ def _decode_layers_kernel(
         # down_proj + residual into the next layer's input.
         wd = wd_ptr + lay * H * INTER
         w0 = _split_weights(wd, d_rows, d_mask, 0, INTER, INTER, DOWN_K, DOWN_SPLIT)
-        _wait_for(gu_done, programs * (layer + 1) if ABLATE != 2 else 0)
+        _wait_for(gu_done, programs * (layer + 1))
         _projection_strip(d_rows, d_mask, act_l, act_l, wd, wd, mid_l, x_ptr + H, 1, INTER, 0.0,
                           INTER, INTER, H, H, 0, w0, False, False, False, True, 16, DOWN_ROWS,
                           DOWN_K, DOWN_SPLIT, GEMV_PRECISION, True, DOWN_STAGES)
