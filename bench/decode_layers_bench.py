@@ -120,9 +120,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--variant", action="append", default=[],
-                    help="also time the one-launch kernel with these module settings, "
-                         "NAME=VALUE[,NAME=VALUE] (ABLATE variants give wrong results)")
     args = ap.parse_args()
     cfg, w, kv, meta, rope, h0 = build(args.context)
     assert fused.decode_layers_applies(h0, w), "the one-launch kernel does not take this shape"
@@ -159,27 +156,14 @@ def main() -> None:
     bound_us = layers * (layer_bytes + kv_bytes) / rate * 1e6
     t_engine = time_graph(lambda: engine_layers(cfg, w, kv, meta, rope, h0), args.replays)
     t_one = time_graph(lambda: one_launch(cfg, w, kv, meta, rope, h0, hs), args.replays)
-    variants = {}
-    for spec in args.variant:
-        settings = dict(item.split("=") for item in spec.split(","))
-        saved = {k: getattr(fused, k) for k in settings}
-        for k, v in settings.items():
-            setattr(fused, k, type(saved[k])(int(v)) if not isinstance(saved[k], str) else v)
-        try:
-            variants[spec] = round(time_graph(
-                lambda: one_launch(cfg, w, kv, meta, rope, h0, hs), args.replays), 1)
-        finally:
-            for k, v in saved.items():
-                setattr(fused, k, v)
-        print(f"variant {spec}: {variants[spec]} us", flush=True)
     t_engine2 = time_graph(lambda: engine_layers(cfg, w, kv, meta, rope, h0), args.replays)
     result = {"device": torch.cuda.get_device_name(), "context": args.context,
               "layers": layers, "copy_rate_tb_s": round(rate / 1e12, 3),
               "bound_us": round(bound_us, 1), "engine_us": [round(t_engine, 1),
                                                             round(t_engine2, 1)],
-              "one_launch_us": round(t_one, 1), "variants": variants, "check": check,
+              "one_launch_us": round(t_one, 1), "check": check,
               "settings": {k: getattr(fused, k) for k in (
-                  "PROGRAMS", "WARPS", "O_BEFORE_ATTENTION", "QKV_K", "QKV_SPLIT", "QKV_STAGES", "GATE_UP_K",
+                  "PROGRAMS", "WARPS", "QKV_K", "QKV_SPLIT", "QKV_STAGES", "GATE_UP_K",
                   "GATE_UP_STAGES", "DOWN_K", "DOWN_SPLIT", "DOWN_STAGES")}}
     print(json.dumps(result, indent=1), flush=True)
     with open(args.out, "w") as f:

@@ -42,10 +42,6 @@ WARPS = 8
 QKV_K, QKV_SPLIT, QKV_STAGES = 256, 4, 4
 GATE_UP_K, GATE_UP_STAGES = 64, 6
 DOWN_K, DOWN_SPLIT, DOWN_STAGES = 1024, 4, 3
-# o_proj's strip loaded before the program's decode items (False: after them).
-O_BEFORE_ATTENTION = False
-# Timing ablations (wrong results): 1, no attention work.
-ABLATE = 0
 
 _LINE = 32  # counters a 128-byte line apart
 _COUNTERS = 6  # qkv, attention outputs, o_proj, gate_up, down_proj, finished programs
@@ -88,8 +84,7 @@ def _decode_layers_kernel(
         QKV_SPLIT: tl.constexpr, QKV_STAGES: tl.constexpr, O_ROWS: tl.constexpr,
         GU_ROWS: tl.constexpr, GU_K: tl.constexpr, GU_STAGES: tl.constexpr,
         DOWN_ROWS: tl.constexpr, DOWN_K: tl.constexpr, DOWN_SPLIT: tl.constexpr,
-        DOWN_STAGES: tl.constexpr, LINE: tl.constexpr, O_FIRST: tl.constexpr,
-        ABLATE: tl.constexpr):
+        DOWN_STAGES: tl.constexpr, LINE: tl.constexpr):
     """Program pid takes, in every layer: qkv rows [pid * QKV_STRIP, +QKV_STRIP), the decode
     items pid, pid + programs, ... (a (kv head, split) each, split slowest), o_proj rows
     [pid * O_ROWS, +O_ROWS), gate rows [pid * GU_ROWS, +GU_ROWS) with their up rows, down_proj
@@ -121,12 +116,7 @@ def _decode_layers_kernel(
         # The decode items (rotary, this step's key and value stored, split combine), each
         # waiting for all of qkv.
         attn_l = attn_ptr + lay * Q_SIZE
-        wo = wo_ptr + lay * H * Q_SIZE
-        o_rows = pid * O_ROWS + tl.arange(0, O_ROWS)
-        offs_q = tl.arange(0, Q_SIZE)
-        if O_FIRST:
-            wo_strip = tl.load(wo + o_rows.to(tl.int64)[:, None] * Q_SIZE + offs_q[None, :])
-        for item in range(pid, n_items if ABLATE != 1 else 0, programs):
+        for item in range(pid, n_items, programs):
             _decode_program(pid * 0, item % NUM_KV_HEADS, item // NUM_KV_HEADS, qkv_l,
                             qkv_l + Q_SIZE, qkv_l + Q_SIZE + KV_SIZE,
                             k_cache_ptr + lay * kv_layer_stride,
@@ -138,18 +128,9 @@ def _decode_layers_kernel(
                             COMBINE_CHUNK, PRECISION, ROPE, True, True, False, True)
         # o_proj + residual: the strip in registers, then the wait for every kv head.
         mid_l = mid_ptr + lay * H
-        if O_FIRST:
-            res = tl.load(x_ptr + o_rows).to(tl.float32)
-            if ABLATE != 1:
-                _wait_for(attn_done, NUM_KV_HEADS * (layer + 1))
-            a = tl.load(attn_l + offs_q, cache_modifier=".cg").to(tl.float32)
-            o = tl.sum(wo_strip.to(tl.float32) * a[None, :], axis=1)
-            dt = mid_ptr.dtype.element_ty
-            tl.store(mid_l + o_rows, (o.to(dt).to(tl.float32) + res).to(dt))
-        else:
-            _row_strip(pid, attn_l, attn_l, wo, wo, x_ptr, mid_l, attn_done,
-                       NUM_KV_HEADS * (layer + 1) if ABLATE != 1 else 0, 1, H, Q_SIZE, 0.0, 0,
-                       Q_SIZE, 0, 0, False, False, True, 1, O_ROWS, Q_SIZE, True, False, True)
+        _row_strip(pid, attn_l, attn_l, wo_ptr + lay * H * Q_SIZE, wo_ptr, x_ptr, mid_l,
+                   attn_done, NUM_KV_HEADS * (layer + 1), 1, H, Q_SIZE, 0.0, 0, Q_SIZE, 0, 0,
+                   False, False, True, 1, O_ROWS, Q_SIZE, True, False, True)
         _arrive(o_done)
         # SiLU(gate) * up of RMSNorm(mid) W_gate_up^T.
         wg = wgu_ptr + lay * 2 * INTER * H
@@ -256,6 +237,5 @@ def decode_layers(hs: torch.Tensor, weights: DecodeLayerWeights, k_caches: torch
         QKV_SPLIT=QKV_SPLIT, QKV_STAGES=QKV_STAGES, O_ROWS=plan.o_rows,
         GU_ROWS=plan.gate_rows, GU_K=GATE_UP_K, GU_STAGES=GATE_UP_STAGES,
         DOWN_ROWS=plan.down_rows, DOWN_K=DOWN_K, DOWN_SPLIT=DOWN_SPLIT,
-        DOWN_STAGES=DOWN_STAGES, LINE=_LINE, O_FIRST=O_BEFORE_ATTENTION, ABLATE=ABLATE,
-        num_warps=WARPS)
+        DOWN_STAGES=DOWN_STAGES, LINE=_LINE, num_warps=WARPS)
     return hs[layers]
