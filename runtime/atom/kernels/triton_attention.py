@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from atom.kernels.launch import programmatic_launch, zeroed_counters
-from atom.kernels.triton_norm_gemv import MAX_ROWS, _wait_for
+from atom.kernels.triton_norm_gemv import MAX_ROWS
 from atom.layers.rotary import Rope
 
 
@@ -163,10 +163,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
         gdc_launch_dependents()  # an o_proj launched early may start as well
     _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
                     k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr, slot_ptr, part_o_ptr,
-                    part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, count_ptr, 0,
-                    scale, stride_q, stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP,
-                    BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
-                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, PDL, False)
+                    part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, scale, stride_q,
+                    stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H,
+                    GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS,
+                    COMBINE_CHUNK, PRECISION, ROPE, STORE, False, PDL)
 
 
 @triton.jit
@@ -211,14 +211,13 @@ def _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION: tl.constexpr)
 @triton.jit
 def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     ctx_ptr, bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
-                    cos_ptr, sin_ptr, done_ptr, wait_ptr, wait_target, scale, stride_q,
-                    stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS: tl.constexpr,
-                    GROUP: tl.constexpr,
+                    cos_ptr, sin_ptr, done_ptr, scale, stride_q, stride_k, stride_v, stride_o,
+                    stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                     BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                     Q_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
                     PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
-                    SIGNAL: tl.constexpr, PDL: tl.constexpr, COUNTED: tl.constexpr):
+                    SIGNAL: tl.constexpr, PDL: tl.constexpr):
     """The split's tiles of TILE_N keys of one (row, kv head).
 
     The GROUP query heads sharing a kv head are the rows of one tensor-core dot (padded to
@@ -236,9 +235,7 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
       them in split order, so the result does not depend on arrival order, and re-arms the
       counter for the next launch (flash-decoding without a second kernel);
     - SIGNAL: whichever program writes a (row, kv head)'s final output then counts it at
-      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch);
-    - COUNTED: q, k and v are written in this same launch: the program waits until the count
-      at wait_ptr reaches wait_target before it reads them (atom.kernels.triton_decode_layers).
+      done_ptr (atom.kernels.triton_decode_o_proj waits on that count in the same launch).
     """
     # With several rows per sequence, a row reads the keys of the rows before it, which
     # another program would be storing in this same launch: the caller stores them first.
@@ -290,8 +287,6 @@ def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cac
                                    BLOCK_SIZE, TILE_N)
         if PDL:
             gdc_wait()
-        if COUNTED:
-            _wait_for(wait_ptr, wait_target)
         q_row = q_ptr + row64 * stride_q + heads[:, None] * HEAD_DIM
         q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
         if ROPE:

@@ -80,10 +80,10 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
         _decode_program(pair // NUM_KV_HEADS, pair % NUM_KV_HEADS, ticket // pairs, q_ptr,
                         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
                         slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
-                        done_ptr, done_ptr, 0, scale, stride_q, stride_k, stride_v, stride_o,
-                        stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D,
-                        BLOCK_SIZE, TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE,
-                        STORE, True, PDL, False)
+                        done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
+                        NUM_KV_HEADS, GROUP, BLOCK_H, GROUP_P2, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                        TILE_N, Q_LEN, NUM_SPLITS, COMBINE_CHUNK, PRECISION, ROPE, STORE, True,
+                        PDL)
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
         _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,

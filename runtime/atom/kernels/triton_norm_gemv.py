@@ -70,15 +70,14 @@ def _diagonal(gram, BLOCK_M: tl.constexpr):
 def _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x, stride_w,
                   up_offset, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares).
-    STAGES: the loop's pipeline depth (None: the kernel's num_stages)."""
+                  PRECISION: tl.constexpr):
+    """x [M, K] against the strip's weight rows: (x W^T, x W_up^T, per-row sums of squares)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         x = tl.load(x_ptr + rows_m[:, None] * stride_x + kk[None, :],
@@ -146,8 +145,7 @@ def _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, k0, K, str
 def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, stride_x,
                      stride_w, up_offset, w0, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, PRECISION: tl.constexpr, PRELOADED: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     SPLIT: tl.constexpr, PRECISION: tl.constexpr, PRELOADED: tl.constexpr):
     """_strip_dot_2d with each K step cut into SPLIT slices accumulated separately.
     PRELOADED: w0 is the first K step's weight tile, already loaded (used first: the sums run
     in the same order)."""
@@ -160,7 +158,7 @@ def _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask, K, st
                                         0, K, stride_x, stride_w, up_offset, w0, acc, acc_up,
                                         gram, HAS_NORM, GATED, BLOCK_K, SPLIT, PRECISION)
         start = BLOCK_K
-    for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(start, K, BLOCK_K):
         w = _split_weights(w_ptr, offs_n, n_mask, k0, K, stride_w, BLOCK_K, SPLIT)
         acc, acc_up, gram = _split_step(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
                                         k0, K, stride_x, stride_w, up_offset, w, acc, acc_up,
@@ -195,47 +193,26 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     masked, and masked rows are not read)."""
     if RELEASE:
         gdc_launch_dependents()
-    offs_n, n_mask = _strip_rows(tl.program_id(0), N, BLOCK_N, STRIP)
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * STRIP + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = (offs_n < N) & (tl.arange(0, BLOCK_N) < STRIP)
+    rows_m = offs_m.to(tl.int64)
     w0 = 0.0
     if PRELOAD:
         w0 = _split_weights(w_ptr, offs_n, n_mask, 0, K, stride_w, BLOCK_K, SPLIT)
     if WAIT:
         gdc_wait()
-    _projection_strip(offs_n, n_mask, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, K, eps,
-                      stride_x, stride_w, stride_r, stride_y, up_offset, w0, HAS_NORM, GATED,
-                      HAS_BIAS, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PRECISION, PRELOAD,
-                      None)
-
-
-@triton.jit
-def _strip_rows(pid, N, BLOCK_N: tl.constexpr, STRIP: tl.constexpr):
-    """Program pid's weight rows (BLOCK_N offsets, the first STRIP of them taken) and mask."""
-    offs_n = pid * STRIP + tl.arange(0, BLOCK_N)
-    return offs_n, (offs_n < N) & (tl.arange(0, BLOCK_N) < STRIP)
-
-
-@triton.jit
-def _projection_strip(offs_n, n_mask, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, K, eps,
-                      stride_x, stride_w, stride_r, stride_y, up_offset, w0,
-                      HAS_NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      PRELOADED: tl.constexpr, STAGES: tl.constexpr):
-    """y[:M, offs_n] from x's M rows and the strip's weight rows (w0: the first K step's tile,
-    already loaded, with PRELOADED): the K loop (STAGES deep; None: the kernel's num_stages),
-    then the norm, bias, gate and residual."""
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows_m = offs_m.to(tl.int64)
     if SPLIT == 1:
         acc, acc_up, sq = _strip_dot_2d(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask, n_mask,
                                         K, stride_x, stride_w, up_offset, HAS_NORM, GATED,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, STAGES)
+                                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     else:
         acc, acc_up, sq = _strip_dot_split(x_ptr, nw_ptr, w_ptr, rows_m, offs_n, m_mask,
                                            n_mask, K, stride_x, stride_w, up_offset, w0,
                                            HAS_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                                           PRECISION, PRELOADED, STAGES)
+                                           PRECISION, PRELOAD)
     if HAS_NORM:
         rstd = tl.rsqrt(sq / K + eps)
         acc = acc * rstd[:, None]
