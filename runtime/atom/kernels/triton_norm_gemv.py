@@ -448,7 +448,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
             and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16):
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
                         residual=residual, pdl=True)
-    tma = triton_tma_gemv.tma_gemv_plan(x, weight, bias, norm_weight, gated, out)
+    tma = triton_tma_gemv.tma_gemv_plan(x, weight, bias, gated, out)
     if tma is not None:
         return triton_tma_gemv.tma_gemv(x, weight, tma, norm_weight=norm_weight, eps=eps,
                                         gated=gated, residual=residual, out=y, overlap=overlap)

@@ -31,15 +31,12 @@ ENABLED = True
 
 
 class TmaPlan(NamedTuple):
-    """Programs, weight rows a program (of each half when gated), rows a tile, pipeline
-    stages, warps (the in-place sums take a register per product of a tile: 8 warps for two
-    tiles of 32 rows)."""
+    """Programs, weight rows a program (of each half when gated), rows a tile, stages."""
 
     programs: int
     rows: int
     tile_rows: int
     stages: int
-    warps: int
 
 
 def tma_plan(n: int, k: int, gated: bool, elem: int, sms: int) -> TmaPlan | None:
@@ -54,16 +51,14 @@ def tma_plan(n: int, k: int, gated: bool, elem: int, sms: int) -> TmaPlan | None
     tile_rows = min(rows, 32)
     tile_bytes = tile_rows * BLOCK_K * elem * (2 if gated else 1)
     stages = min(MAX_STAGES, SMEM_BUDGET // tile_bytes)
-    warps = max(4, tile_rows * BLOCK_K * (2 if gated else 1) // 2048)
-    return TmaPlan(n // rows, rows, tile_rows, stages, warps) if stages >= 3 else None
+    return TmaPlan(n // rows, rows, tile_rows, stages) if stages >= 3 else None
 
 
 @triton.jit
-def _tma_row_kernel(w_desc, x_desc, nw_desc, x_ptr, res_ptr, y_ptr, K, eps, up_offset,
+def _tma_row_kernel(w_desc, x_ptr, nw_ptr, res_ptr, y_ptr, K, eps, up_offset,
                     ROWS: tl.constexpr, TILE_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                    X_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                    HAS_RES: tl.constexpr, RELEASE: tl.constexpr, WAIT: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    NORM: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr,
+                    RELEASE: tl.constexpr, WAIT: tl.constexpr, STAGES: tl.constexpr):
     """y[rows] = [RMSNorm](x) W[rows]^T [-> SiLU(gate) * up] [+ residual] for one row x, rows
     [pid * ROWS, +ROWS) (and their up rows up_offset further when GATED). RELEASE: a kernel
     launched early after this one may start once every program here has; WAIT: this launch
@@ -71,58 +66,54 @@ def _tma_row_kernel(w_desc, x_desc, nw_desc, x_ptr, res_ptr, y_ptr, K, eps, up_o
     if RELEASE:
         gdc_launch_dependents()
     row0 = tl.program_id(0) * ROWS
+    offs_k = tl.arange(0, BLOCK_K)
     kc = K // BLOCK_K
     if WAIT:
         gdc_wait()
     rstd = 1.0
-    if NORM:  # x in one read
-        offs_x = tl.arange(0, X_BLOCK)
-        x_all = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x_all * x_all, axis=0) / K + eps)
-    # Products summed in place over the row group's K steps and across lanes once at its
-    # end: a reduction every step puts a block-wide barrier into each step.
-    acc = tl.zeros([TILE_R, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([TILE_R, BLOCK_K], tl.float32)
+    if NORM:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+            squares += xk * xk
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    acc = tl.zeros([TILE_R], tl.float32)
+    acc_up = tl.zeros([TILE_R], tl.float32)
     out_ty = y_ptr.dtype.element_ty
     for i in tl.range(0, (ROWS // TILE_R) * kc, num_stages=STAGES):
         r = row0 + (i // kc) * TILE_R
         c = (i % kc) * BLOCK_K
         w = w_desc.load([r, c])
-        # x (and the norm weight) by TMA too, in the same pipeline: [1, BLOCK_K]
-        xk = x_desc.load([0, c])
+        xk = tl.load(x_ptr + c + offs_k)
         a = xk.to(tl.float32)
         if NORM:  # the normalised input rounded to x's dtype, as the unfused model rounds it
-            a = (a * nw_desc.load([0, c]).to(tl.float32)).to(xk.dtype).to(tl.float32)
-        acc += w.to(tl.float32) * a
+            a = (a * tl.load(nw_ptr + c + offs_k).to(tl.float32)).to(xk.dtype).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         if GATED:
             u = w_desc.load([up_offset + r, c])
-            acc_up += u.to(tl.float32) * a
+            acc_up += tl.sum(u.to(tl.float32) * a[None, :], axis=1)
         if c + BLOCK_K == K:  # the tile's rows are complete
             rows = r + tl.arange(0, TILE_R)
-            out = (tl.sum(acc, axis=1) * rstd).to(out_ty).to(tl.float32)
+            out = (acc * rstd).to(out_ty).to(tl.float32)
             if GATED:
-                up = (tl.sum(acc_up, axis=1) * rstd).to(out_ty).to(tl.float32)
+                up = (acc_up * rstd).to(out_ty).to(tl.float32)
                 out = (out * tl.sigmoid(out)).to(out_ty).to(tl.float32) * up
             if HAS_RES:
                 out = out.to(out_ty).to(tl.float32) + tl.load(res_ptr + rows).to(tl.float32)
             tl.store(y_ptr + rows, out.to(out_ty))
-            acc = tl.zeros([TILE_R, BLOCK_K], tl.float32)
-            acc_up = tl.zeros([TILE_R, BLOCK_K], tl.float32)
+            acc = tl.zeros([TILE_R], tl.float32)
+            acc_up = tl.zeros([TILE_R], tl.float32)
 
 
 def tma_gemv_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  norm_weight: torch.Tensor | None, gated: bool,
-                  out: torch.Tensor | None) -> TmaPlan | None:
+                  gated: bool, out: torch.Tensor | None) -> TmaPlan | None:
     """The TMA launch for gemv's arguments on this device, or None where it does not apply
     (more than MAX_ROWS rows, a bias, not sm_90, strides the descriptor cannot take)."""
     if not (ENABLED and x.is_cuda and x.shape[0] <= MAX_ROWS and bias is None
             and programmatic_launch(x.device) and x.dtype in (torch.bfloat16, torch.float16)):
         return None
-    if not (weight.is_contiguous() and x.is_contiguous() and weight.dtype == x.dtype):
-        return None
-    # TMA reads weight, x and the norm weight from 16-byte aligned addresses.
-    tma_read = [weight, x] + ([norm_weight] if norm_weight is not None else [])
-    if any(t.data_ptr() % 16 or not t.is_contiguous() for t in tma_read):
+    if not (weight.is_contiguous() and x.is_contiguous() and weight.dtype == x.dtype
+            and weight.data_ptr() % 16 == 0):
         return None
     if out is not None and not out.is_contiguous():
         return None
@@ -145,13 +136,10 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, plan: TmaPlan, *,
     assert y.shape == (1, n) and x.shape == (1, k)
     assert residual is None or (residual.shape == (1, n) and residual.is_contiguous())
     desc = TensorDescriptor.from_tensor(weight, [plan.tile_rows, BLOCK_K])
-    x_desc = TensorDescriptor.from_tensor(x, [1, BLOCK_K])
-    nw = norm_weight.view(1, k) if norm_weight is not None else x
-    nw_desc = TensorDescriptor.from_tensor(nw, [1, BLOCK_K])
     _tma_row_kernel[(plan.programs,)](
-        desc, x_desc, nw_desc, x, residual if residual is not None else y, y, k, eps, n,
-        ROWS=plan.rows, TILE_R=plan.tile_rows, BLOCK_K=BLOCK_K,
-        X_BLOCK=triton.next_power_of_2(k), NORM=norm_weight is not None,
+        desc, x, norm_weight if norm_weight is not None else x,
+        residual if residual is not None else y, y, k, eps, n,
+        ROWS=plan.rows, TILE_R=plan.tile_rows, BLOCK_K=BLOCK_K, NORM=norm_weight is not None,
         GATED=gated, HAS_RES=residual is not None, RELEASE=True, WAIT=overlap,
-        STAGES=plan.stages, launch_pdl=overlap, num_warps=plan.warps)
+        STAGES=plan.stages, launch_pdl=overlap, num_warps=4)
     return y
