@@ -105,8 +105,6 @@ ALTERNATIVES = {
     "tiled-preload-plain": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 0),
     # One-wave early launches in strips of BLOCK_N rows (qkv at 8 rows: 96 programs, not 128).
     "full-strips": ("atom.kernels.triton_norm_gemv", "EVEN_STRIPS", False),
-    # One-row gate_up and down_proj on the tiled kernel, not the TMA kernel.
-    "no-tma": ("atom.kernels.triton_tma_gemv", "ENABLED", False),
     # Neither the attention nor qkv launched early (the tiled projections still are).
     "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
                         ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],

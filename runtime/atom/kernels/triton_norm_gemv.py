@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from atom.kernels import triton_tma_gemv
 from atom.kernels.launch import programmatic_launch, sm_resources
 
 MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does it better
@@ -448,10 +447,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
             and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16):
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
                         residual=residual, pdl=True)
-    tma = triton_tma_gemv.tma_gemv_plan(x, weight, bias, gated, out)
-    if tma is not None:
-        return triton_tma_gemv.tma_gemv(x, weight, tma, norm_weight=norm_weight, eps=eps,
-                                        gated=gated, residual=residual, out=y, overlap=overlap)
     res = residual if residual is not None else y
     sms, smem = sm_resources(x.device) if pdl else (0, 0)
     plan = tiled_plan(m, n, k, gated, x.element_size(), overlap and pdl, sms, smem)
