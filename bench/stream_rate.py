@@ -94,6 +94,64 @@ def _tma_kernel(desc, x_ptr, y_ptr, tiles, ROWS: tl.constexpr, BLOCK_K: tl.const
     tl.store(y_ptr + pid * ROWS + tl.arange(0, ROWS), acc)
 
 
+@triton.jit
+def _spin_until(count_ptr, target):
+    """Until the int32 at count_ptr reaches target (acquire); one inline-asm op, so the loop
+    around it stays a pipelinable loop."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        SPIN_${:uid}:
+        ld.acquire.gpu.global.u32 $0, [$1];
+        setp.lt.u32 p, $0, $2;
+        @p bra SPIN_${:uid};
+        }""", "=r,l,r", [count_ptr, target], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _arrive_asm(count_ptr):
+    """Add 1 at count_ptr with release semantics, once per program, after every thread of it
+    has got here (bar.sync). By inline asm: an atomic op or tl.debug_barrier in the loop would
+    stop Triton from pipelining it."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .u32 tid;
+        bar.sync 0;
+        mov.u32 tid, %tid.x;
+        setp.eq.u32 p, tid, 0;
+        @p red.release.gpu.global.add.u32 [$1], 1;
+        mov.u32 $0, 0;
+        }""", "=r,l", [count_ptr], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _phased_kernel(desc, x_ptr, count_ptr, y_ptr, tiles, ROWS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, KC: tl.constexpr, PHASE: tl.constexpr,
+                   GROUPS: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr):
+    """The TMA loop, cut into phases of PHASE tiles with a grid-wide barrier between them
+    (BARRIER): a program counts itself at count_ptr after its phase's last tile and, before
+    its next phase's first, waits until every program has. The weight loads never wait:
+    they run stages - 1 tiles ahead across the barrier. The input chunk is read in a
+    conditional block (outside the pipeliner, after the barrier), once per GROUPS tiles."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    acc = tl.zeros([ROWS], tl.float32)
+    xk = tl.zeros([BLOCK_K], tl.float32)
+    for i in tl.range(0, tiles, num_stages=STAGES):
+        t = pid * tiles + i
+        w = desc.load([(t // KC) * ROWS, (t % KC) * BLOCK_K])
+        if i % GROUPS == 0:
+            if BARRIER and i % PHASE == 0 and i > 0:
+                _spin_until(count_ptr, (programs * (i // PHASE)).to(tl.uint32))
+            xk = tl.load(x_ptr + ((i // GROUPS) % KC) * BLOCK_K + tl.arange(0, BLOCK_K),
+                         cache_modifier=".cg").to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if BARRIER and (i + 1) % PHASE == 0:
+            _arrive_asm(count_ptr)
+    tl.store(y_ptr + pid * ROWS + tl.arange(0, ROWS), acc)
+
+
 def timed(fn, iters: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -147,6 +205,28 @@ def main() -> None:
                 name = f"tma {row_tile}x{block_k} stages {stages} warps {warps} x{sms}"
                 out[name] = rate(_tma_kernel, sms, used, (desc, x, y, tiles), ROWS=row_tile,
                                  BLOCK_K=block_k, KC=kc, STAGES=stages, num_warps=warps)
+                print(name, out[name], flush=True)
+    # Phases with grid-wide barriers between them, the weight stream running on across them.
+    row_tile, block_k = 32, 256
+    kc = K // block_k
+    tiles = rows // row_tile * kc // sms // 64 * 64
+    used = tiles * sms * row_tile * block_k * 2
+    y = torch.empty(sms * row_tile, device="cuda", dtype=torch.float32)
+    desc = TensorDescriptor.from_tensor(w, [row_tile, block_k])
+    count = torch.zeros(1, device="cuda", dtype=torch.int32)
+    for barrier in (False, True):
+        for phase in (8, 32, 64):
+            for groups in (1, 4):
+                name = f"phased {phase} tiles, x every {groups}, barrier {barrier}"
+                count.zero_()
+
+                def launch(b=barrier, p=phase, g=groups) -> None:
+                    count.zero_()
+                    _phased_kernel[(sms,)](desc, x, count, y, tiles, ROWS=row_tile,
+                                           BLOCK_K=block_k, KC=kc, PHASE=p, GROUPS=g,
+                                           STAGES=6, BARRIER=b, num_warps=4)
+                # the zeroing kernel (a few us) is in the timed span: charged to every variant
+                out[name] = used / timed(launch) / 1e12
                 print(name, out[name], flush=True)
     ring_tiles = () if args.tma_only else ((8, 1024), (16, 512), (16, 1024), (32, 256))
     for row_tile, block_k in ring_tiles:
