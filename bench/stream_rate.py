@@ -126,22 +126,56 @@ def _arrive_asm(count_ptr):
 
 
 @triton.jit
+def _chunk(x_ptr, c, BLOCK_K: tl.constexpr):
+    return tl.load(x_ptr + c * BLOCK_K + tl.arange(0, BLOCK_K), cache_modifier=".cg")
+
+
+@triton.jit
 def _phased_kernel(desc, x_ptr, count_ptr, y_ptr, tiles, ROWS: tl.constexpr,
                    BLOCK_K: tl.constexpr, KC: tl.constexpr, PHASE: tl.constexpr,
-                   GROUPS: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr):
+                   GROUPS: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr,
+                   HELD: tl.constexpr):
     """The TMA loop, cut into phases of PHASE tiles with a grid-wide barrier between them
     (BARRIER): a program counts itself at count_ptr after its phase's last tile and, before
     its next phase's first, waits until every program has. The weight loads never wait:
-    they run stages - 1 tiles ahead across the barrier. The input chunk is read in a
-    conditional block (outside the pipeliner, after the barrier), once per GROUPS tiles."""
+    they run stages - 1 tiles ahead across the barrier. The input chunk: HELD, the phase's
+    whole input (KC == 8 chunks) read into registers after the wait and each tile's chunk
+    picked by selects; else read in a conditional block once per GROUPS tiles (GROUPS 1: by
+    pipelined loads, which a real kernel could not use: they run ahead of the wait)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     acc = tl.zeros([ROWS], tl.float32)
     xk = tl.zeros([BLOCK_K], tl.float32)
+    x0 = tl.zeros([BLOCK_K], tl.bfloat16)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    x4 = x0
+    x5 = x0
+    x6 = x0
+    x7 = x0
     for i in tl.range(0, tiles, num_stages=STAGES):
         t = pid * tiles + i
         w = desc.load([(t // KC) * ROWS, (t % KC) * BLOCK_K])
-        if i % GROUPS == 0:
+        if HELD:
+            tl.static_assert(KC == 8)
+            if i % PHASE == 0:
+                if BARRIER and i > 0:
+                    _spin_until(count_ptr, (programs * (i // PHASE)).to(tl.uint32))
+                x0 = _chunk(x_ptr, 0, BLOCK_K)
+                x1 = _chunk(x_ptr, 1, BLOCK_K)
+                x2 = _chunk(x_ptr, 2, BLOCK_K)
+                x3 = _chunk(x_ptr, 3, BLOCK_K)
+                x4 = _chunk(x_ptr, 4, BLOCK_K)
+                x5 = _chunk(x_ptr, 5, BLOCK_K)
+                x6 = _chunk(x_ptr, 6, BLOCK_K)
+                x7 = _chunk(x_ptr, 7, BLOCK_K)
+            c = t % KC
+            xs = tl.where(c == 0, x0, tl.where(c == 1, x1, tl.where(c == 2, x2, tl.where(
+                c == 3, x3, tl.where(c == 4, x4, tl.where(c == 5, x5, tl.where(
+                    c == 6, x6, x7)))))))
+            xk = xs.to(tl.float32)
+        elif i % GROUPS == 0:
             if BARRIER and i % PHASE == 0 and i > 0:
                 _spin_until(count_ptr, (programs * (i // PHASE)).to(tl.uint32))
             xk = tl.load(x_ptr + ((i // GROUPS) % KC) * BLOCK_K + tl.arange(0, BLOCK_K),
@@ -216,15 +250,15 @@ def main() -> None:
     count = torch.zeros(1, device="cuda", dtype=torch.int32)
     for barrier in (False, True):
         for phase in (8, 32, 64):
-            for groups in (1, 4):
-                name = f"phased {phase} tiles, x every {groups}, barrier {barrier}"
-                count.zero_()
+            for groups, held in ((1, False), (4, False), (1, True)):
+                how = "held in registers" if held else f"read every {groups}"
+                name = f"phased {phase} tiles, x {how}, barrier {barrier}"
 
-                def launch(b=barrier, p=phase, g=groups) -> None:
+                def launch(b=barrier, p=phase, g=groups, h=held) -> None:
                     count.zero_()
                     _phased_kernel[(sms,)](desc, x, count, y, tiles, ROWS=row_tile,
                                            BLOCK_K=block_k, KC=kc, PHASE=p, GROUPS=g,
-                                           STAGES=6, BARRIER=b, num_warps=4)
+                                           STAGES=6, BARRIER=b, HELD=h, num_warps=4)
                 # the zeroing kernel (a few us) is in the timed span: charged to every variant
                 out[name] = used / timed(launch) / 1e12
                 print(name, out[name], flush=True)
