@@ -6,11 +6,16 @@ contiguous rows of a 2 GiB bf16 matrix [rows, 2048] as tiles of ROWS x BLOCK_K, 
 each by the matching chunk of an input vector (as a GEMV does) into per-row sums:
 - "ring": the next DEPTH tiles' loads issued ahead into registers (the loop unrolled DEPTH
   times, each slot reloaded as soon as it is used), no shared memory;
-- "pipelined": a plain loop over the tiles, pipelined by Triton (num_stages, via shared memory).
+- "pipelined": a plain loop over the tiles, pipelined by Triton (num_stages, via shared memory);
+- "tma": the plain loop with each tile fetched by TMA into the pipeline;
+- "phased": the TMA loop cut into phases with grid-wide barriers between them, the weight
+  loads running on across the barriers, the input read in the ways a real kernel could (or
+  could not) read an input that other programs write (_phased_kernel).
 Beside them: a copy of the same bytes (torch) and one program per tile row group (many
 programs a SM, scheduled by the hardware). Median of 20 timed calls; TB/s of weight bytes read.
+bench/RESULTS.md, session 14, items 5, 7 and 8.
 
-    python bench/stream_rate.py --out stream.json
+    python bench/stream_rate.py --out stream.json [--tma-only]
 """
 
 from __future__ import annotations
