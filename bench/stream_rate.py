@@ -183,8 +183,7 @@ def _phased_kernel(desc, x_ptr, count_ptr, y_ptr, tiles, ROWS: tl.constexpr,
         elif i % GROUPS == 0:
             if BARRIER and i % PHASE == 0 and i > 0:
                 _spin_until(count_ptr, (programs * (i // PHASE)).to(tl.uint32))
-            xk = tl.load(x_ptr + ((i // GROUPS) % KC) * BLOCK_K + tl.arange(0, BLOCK_K),
-                         cache_modifier=".cg").to(tl.float32)
+            xk = _chunk(x_ptr, (i // GROUPS) % KC, BLOCK_K).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         if BARRIER and (i + 1) % PHASE == 0:
             _arrive_asm(count_ptr)
@@ -215,11 +214,22 @@ def rate(kernel, programs: int, used: int, args: tuple, **kw) -> float | str:
         return repr(exc)[:80]
 
 
+def split_rows(rows: int, row_tile: int, block_k: int, programs: int, multiple: int,
+               K: int) -> tuple[int, int, int, torch.Tensor]:
+    """(K chunks a row, tiles a program, weight bytes they cover, per-row output) for
+    `programs` programs taking equal runs of tiles, a multiple of `multiple` each."""
+    kc = K // block_k
+    tiles = rows // row_tile * kc // programs // multiple * multiple
+    y = torch.empty(programs * row_tile, device="cuda", dtype=torch.float32)
+    return kc, tiles, tiles * programs * row_tile * block_k * 2, y
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--tma-only", action="store_true")
+    ap.add_argument("--tma-only", action="store_true",
+                    help="only the TMA and phased rows (not the pointer-load schemes)")
     args = ap.parse_args()
     K = 2048
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -234,10 +244,7 @@ def main() -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     for row_tile, block_k in ((32, 256), (64, 256), (64, 128)):
-        kc = K // block_k
-        tiles = rows // row_tile * kc // sms // 4 * 4
-        used = tiles * sms * row_tile * block_k * 2
-        y = torch.empty(sms * row_tile, device="cuda", dtype=torch.float32)
+        kc, tiles, used, y = split_rows(rows, row_tile, block_k, sms, 4, K)
         desc = TensorDescriptor.from_tensor(w, [row_tile, block_k])
         for warps in (4, 8):
             for stages in (4, 6, 8):
@@ -247,10 +254,7 @@ def main() -> None:
                 print(name, out[name], flush=True)
     # Phases with grid-wide barriers between them, the weight stream running on across them.
     row_tile, block_k = 32, 256
-    kc = K // block_k
-    tiles = rows // row_tile * kc // sms // 64 * 64
-    used = tiles * sms * row_tile * block_k * 2
-    y = torch.empty(sms * row_tile, device="cuda", dtype=torch.float32)
+    kc, tiles, used, y = split_rows(rows, row_tile, block_k, sms, 64, K)
     desc = TensorDescriptor.from_tensor(w, [row_tile, block_k])
     count = torch.zeros(1, device="cuda", dtype=torch.int32)
     for barrier in (False, True):
@@ -269,10 +273,7 @@ def main() -> None:
                 print(name, out[name], flush=True)
     ring_tiles = () if args.tma_only else ((8, 1024), (16, 512), (16, 1024), (32, 256))
     for row_tile, block_k in ring_tiles:
-        kc = K // block_k
-        tiles = rows // row_tile * kc // sms // 4 * 4
-        used = tiles * sms * row_tile * block_k * 2
-        y = torch.empty(sms * row_tile, device="cuda", dtype=torch.float32)
+        kc, tiles, used, y = split_rows(rows, row_tile, block_k, sms, 4, K)
         shape = dict(ROWS=row_tile, BLOCK_K=block_k, KC=kc)
         for warps in (4, 8):
             for depth in (2, 3, 4):
