@@ -312,24 +312,11 @@ def bench_level(level: int, batches: list[int], modes: list[str], context: int, 
 # --------------------------------------------------------------------------- transformers
 
 
-def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
-                       repeats: int = 5) -> dict[str, Any]:
-    """ms per decode step of generate() with a static cache (auto torch.compile): the median
-    over `repeats` of (time of n1 new tokens - time of n0) / (n1 - n0); one pair alone moved
-    by up to 60% between runs (bench/RESULTS.md)."""
-    from transformers import LlamaConfig, StoppingCriteria, StoppingCriteriaList
+def transformers_model() -> Any:
+    """transformers' LlamaForCausalLM on the engine model's shape, bf16 random weights on the
+    GPU, never stopping at an end-of-sequence token."""
+    from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
-
-    class StopAfter(StoppingCriteria):
-        """Stop after k new tokens while the static cache stays sized for n1 (no recompile)."""
-
-        def __init__(self, k: int) -> None:
-            self.k = k
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> Any:
-            done = input_ids.shape[1] >= context + self.k
-            return torch.full((input_ids.shape[0],), done, dtype=torch.bool,
-                              device=input_ids.device)
 
     from atom.models.registry import load_model_config
 
@@ -350,26 +337,49 @@ def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
     finally:
         torch.set_default_dtype(prev)
     model.generation_config.eos_token_id = None  # random weights: never stop early
-    out: dict[str, Any] = {}
-    def gen(ids: torch.Tensor, n: int) -> float:
-        _sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n1,
-                           do_sample=False, cache_implementation="static", pad_token_id=0,
-                           stopping_criteria=StoppingCriteriaList([StopAfter(n)]))
-        _sync()
-        return time.perf_counter() - t0
+    return model
 
+
+def transformers_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache_tokens: int
+                          ) -> float:
+    """Seconds for generate() of `new_tokens` greedy tokens with a static cache sized for
+    `cache_tokens` new ones (one size for every call, so nothing recompiles)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stop_len = ids.shape[1] + new_tokens
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> Any:
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= stop_len,
+                              dtype=torch.bool, device=input_ids.device)
+
+    _sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cache_tokens,
+                       do_sample=False, cache_implementation="static", pad_token_id=0,
+                       stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    _sync()
+    return time.perf_counter() - t0
+
+
+def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
+                       repeats: int = 5) -> dict[str, Any]:
+    """ms per decode step of generate() with a static cache (auto torch.compile): the median
+    over `repeats` of (time of n1 new tokens - time of n0) / (n1 - n0); one pair alone moved
+    by up to 60% between runs (bench/RESULTS.md)."""
+    model = transformers_model()
+    out: dict[str, Any] = {}
     for batch in batches:
         ids = torch.randint(10, 120_000, (batch, context), device="cuda")
         t0 = time.perf_counter()
-        gen(ids, n1)  # compiles
-        gen(ids, n1)
+        transformers_generate(model, ids, n1, n1)  # compiles
+        transformers_generate(model, ids, n1, n1)
         warm = time.perf_counter() - t0
         samples = []
         for _ in range(repeats):
-            t_small, t_big = gen(ids, n0), gen(ids, n1)
+            t_small = transformers_generate(model, ids, n0, n1)
+            t_big = transformers_generate(model, ids, n1, n1)
             samples.append((t_big - t_small) / (n1 - n0) * 1e3)
         ms = statistics.median(samples)
         out[str(batch)] = {"decode_ms": round(ms, 4), "samples_ms": [round(x, 4) for x in samples],
