@@ -363,6 +363,24 @@ def transformers_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache_
     return time.perf_counter() - t0
 
 
+def transformers_warm_prompt(model: Any, batch: int, context: int, n1: int
+                             ) -> tuple[torch.Tensor, float]:
+    """(random prompt ids of batch x context, seconds of two generate() calls of n1 new tokens
+    on them: the first compiles the forward, the second runs warm)."""
+    ids = torch.randint(10, 120_000, (batch, context), device="cuda")
+    t0 = time.perf_counter()
+    for _ in range(2):
+        transformers_generate(model, ids, n1, n1)
+    return ids, time.perf_counter() - t0
+
+
+def transformers_pair_ms(model: Any, ids: torch.Tensor, n0: int, n1: int) -> float:
+    """ms per decode step from one pair: (time of n1 new tokens - time of n0) / (n1 - n0)."""
+    t_small = transformers_generate(model, ids, n0, n1)
+    t_big = transformers_generate(model, ids, n1, n1)
+    return (t_big - t_small) / (n1 - n0) * 1e3
+
+
 def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
                        repeats: int = 5) -> dict[str, Any]:
     """ms per decode step of generate() with a static cache (auto torch.compile): the median
@@ -371,16 +389,8 @@ def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
     model = transformers_model()
     out: dict[str, Any] = {}
     for batch in batches:
-        ids = torch.randint(10, 120_000, (batch, context), device="cuda")
-        t0 = time.perf_counter()
-        transformers_generate(model, ids, n1, n1)  # compiles
-        transformers_generate(model, ids, n1, n1)
-        warm = time.perf_counter() - t0
-        samples = []
-        for _ in range(repeats):
-            t_small = transformers_generate(model, ids, n0, n1)
-            t_big = transformers_generate(model, ids, n1, n1)
-            samples.append((t_big - t_small) / (n1 - n0) * 1e3)
+        ids, warm = transformers_warm_prompt(model, batch, context, n1)
+        samples = [transformers_pair_ms(model, ids, n0, n1) for _ in range(repeats)]
         ms = statistics.median(samples)
         out[str(batch)] = {"decode_ms": round(ms, 4), "samples_ms": [round(x, 4) for x in samples],
                            "warmup_seconds": round(warm, 1)}

@@ -49,15 +49,11 @@ def profiled(model: Any, ids: torch.Tensor, new_tokens: int, cache_tokens: int
 
 def measure(model: Any, batch: int, context: int, n0: int, n1: int, repeats: int
             ) -> dict[str, Any]:
-    ids = torch.randint(10, 120_000, (batch, context), device="cuda")
-    for _ in range(2):  # compile and warm up, as decode_bench does
-        db.transformers_generate(model, ids, n1, n1)
+    ids, _ = db.transformers_warm_prompt(model, batch, context, n1)
     steps = n1 - n0
     wall, busy, wall_profiled, kernels = [], [], [], []
     for _ in range(repeats):
-        t0 = db.transformers_generate(model, ids, n0, n1)
-        t1 = db.transformers_generate(model, ids, n1, n1)
-        wall.append((t1 - t0) / steps * 1e3)
+        wall.append(db.transformers_pair_ms(model, ids, n0, n1))
         p0, k0 = profiled(model, ids, n0, n1)
         p1, k1 = profiled(model, ids, n1, n1)
         wall_profiled.append((p1 - p0) / steps * 1e3)
