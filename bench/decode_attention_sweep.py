@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from atom.models.registry import load_model_config  # noqa: E402
-from decode_bench import copy_rate_bytes_per_s  # noqa: E402
-from gemv_sweep import time_graph  # noqa: E402
+from atom.models.registry import load_model_config
+from common import copy_rate_bytes_per_s, time_graph
 
 # The Llama-3.2-1B attention shape, from the model registry; the engine's block size.
 _SHAPE = load_model_config("llama-3.2-1b")

@@ -22,18 +22,14 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from atom.models.registry import load_model_config  # noqa: E402
-from decode_bench import MODEL, copy_rate_bytes_per_s, projection_shapes  # noqa: E402
-from gemv_sweep import record_graph, time_graph  # noqa: E402
+from atom.models.registry import load_model_config
+from common import MODEL, copy_rate_bytes_per_s, projection_shapes, record_graph, time_graph
 
 # (BLOCK_N, BLOCK_K, warps, stages, SPLIT): SPLIT 1 is one accumulator chain per strip.
 CONFIGS = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import urllib.request
@@ -22,25 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-
-from atomd_e2e import (  # noqa: E402
-    Kubectl,
-    OperatorProcess,
-    atomd,
-    env_with_path,
-    install_crd,
-    is_ready,
-    wait_for,
-)
-
-from atom_operator import builders  # noqa: E402
-from atom_operator.builders import Owner  # noqa: E402
-from atom_operator.devcluster import LocalCluster  # noqa: E402
-from atom_operator.kube import Kube  # noqa: E402
-from atom_operator.models import AtomDeploymentSpec  # noqa: E402
-from atom_operator.snapshot import Snapshot, deployment_complete  # noqa: E402
+from atom_operator import builders
+from atom_operator.builders import Owner
+from atom_operator.demo import Kubectl, LocalOperator, install_crd, is_ready
+from atom_operator.devcluster import LocalCluster
+from atom_operator.kube import Kube
+from atom_operator.models import AtomDeploymentSpec
+from atom_operator.snapshot import Snapshot, deployment_complete
+from common import REPO, wait_for
 
 RAW_NS, OP_NS = "bench-raw", "bench-operator"
 # No GPU requests and no cache claim: the local cluster has no provisioner, and we measure the
@@ -96,8 +84,17 @@ def run_raw(kube: Kube, count: int) -> dict[str, float]:
     }
 
 
-def run_operator(kube: Kube, kubectl: Kubectl, op: OperatorProcess, count: int) -> dict[str, float]:
-    docs = [atomd(f"m{i}", OP_NS, SPEC) for i in range(count)]
+def atomd(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "atom.dev/v1alpha1",
+        "kind": "AtomDeployment",
+        "metadata": {"name": name, "namespace": OP_NS},
+        "spec": SPEC,
+    }
+
+
+def run_operator(kube: Kube, count: int) -> dict[str, float]:
+    docs = [atomd(f"m{i}") for i in range(count)]
     start = time.monotonic()
     # All at once: parallel server-side applies, as a GitOps sync of a large repository would.
     applied_s = timed_parallel(lambda d: kube.apply(d, manager="bench-user"), docs)
@@ -106,14 +103,16 @@ def run_operator(kube: Kube, kubectl: Kubectl, op: OperatorProcess, count: int) 
         items = kube.request(
             "GET", f"/apis/atom.dev/v1alpha1/namespaces/{OP_NS}/atomdeployments"
         ).get("items", [])
-        return len(items) == count and all(is_ready(o) for o in items)
+        return len(items) == count and all(
+            is_ready(o) and o["status"].get("phase") == "Ready" for o in items
+        )
 
     wait_for(all_ready, timeout=1800, what="all AtomDeployments Ready", interval=1)
     return {"apply_s": applied_s, "all_ready_s": time.monotonic() - start}
 
 
-def probe(op: OperatorProcess) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as r:
+def probe(op: LocalOperator) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{op.health_port}/healthz", timeout=5) as r:
         return json.loads(r.read()).get("reconcile", {})
 
 
@@ -137,7 +136,7 @@ def main() -> int:
     args = parser.parse_args()
 
     with LocalCluster(nodes=args.nodes) as cluster, tempfile.TemporaryDirectory() as tmp:
-        env = env_with_path(cluster.env())
+        env = cluster.env()
         kubectl = Kubectl(env)
         kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
         install_crd(kubectl)
@@ -147,16 +146,15 @@ def main() -> int:
         raw = run_raw(kube, args.count)
         kubectl("delete", "namespace", RAW_NS, "--wait=false")
 
-        op = OperatorProcess(env, Path(tmp), OP_NS)
-        op.env["ATOM_OPERATOR_RECONCILE_INTERVAL"] = str(args.interval)
-        op.env["ATOM_OPERATOR_LOG_LEVEL"] = "WARNING"
-        op.start()
-        try:
-            operated = run_operator(kube, kubectl, op, args.count)
+        op_env = {
+            **env,
+            "ATOM_OPERATOR_DEFAULT_IMAGE": "atom-runtime:e2e",
+            "ATOM_OPERATOR_LOG_LEVEL": "WARNING",
+        }
+        with LocalOperator(op_env, Path(tmp) / "operator.log", [OP_NS], args.interval) as op:
+            operated = run_operator(kube, args.count)
             latency = probe(op)
-            rss = peak_rss_mib(op.proc.pid)
-        finally:
-            op.stop()
+            rss = peak_rss_mib(op.pid)
 
     result = {
         "count": args.count,

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import step_timeline as st  # noqa: E402
+import decode_bench as db
+import step_timeline as st
+from common import sync
 
 
 def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
@@ -33,16 +31,16 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
     with db.prepared_decode(engine) as (runner, input_ids, idx):
         for _ in range(5):
             runner.run_model(input_ids, idx)
-        db._sync()
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             runner.run_model(input_ids, idx)
-        db._sync()
+        sync()
         wall_us = (time.perf_counter() - t0) / iters * 1e6
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 runner.run_model(input_ids, idx)
-            db._sync()
+            sync()
     per, timeline = st.gpu_activities(prof.events())
     total = sum(v[1] for v in per.values()) / iters
     rows = sorted(((k, v[0] / iters, v[1] / iters) for k, v in per.items()),
