@@ -2,7 +2,7 @@
 Llama-3.2-1B attention shape (32 query heads, 8 kv heads, head_dim 64), issue 5.
 
 For each batch and context, in a block table sized for a max_model_len, times one decode
-attention call as 20 back-to-back calls in one CUDA graph (bench/gemv_sweep.py's method), for
+attention call as 20 back-to-back calls in one CUDA graph (bench/common.py's time_graph), for
 each split count and the launcher's own choice; beside the KV bytes over the measured copy
 rate, for each variant in VARIANTS (what each launch includes).
 

@@ -3,7 +3,7 @@ variant and tile configuration, on the Llama-3.2-1B decode projections (issue 5)
 
 Tiles: each projection (qkv and gate_up plain and with the norm, o and down with the
 residual) per tile configuration, timed as 20 back-to-back calls in one CUDA graph
-(bench/gemv_sweep.py's method) over weight copies that overflow L2, per row count.
+(bench/common.py's time_graph) over weight copies that overflow L2, per row count.
 Chain: the four projections of 16 decoder layers (qkv with its norm, o_proj + residual,
 gate_up with norm and gate, down_proj + residual) in one graph, as a decode step runs them,
 with the default tiles and with the same tiles on one accumulator (no K split); per layer,
