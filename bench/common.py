@@ -125,33 +125,19 @@ _TOKEN = os.environ.get("ATOM_INTERNAL_TOKEN") or secrets.token_hex(16)
 
 
 class Served:
-    """`python -m <module> ... --host 127.0.0.1 --port P` as a child process in the repository
-    root, its output in $TMPDIR/<log>-<port>.log."""
+    """`python -m <argv>` as a child process in the repository root that answers GET
+    <health> on 127.0.0.1:port with 200 once ready; its output in $TMPDIR/<log>-<port>.log."""
 
-    def __init__(self, module: str, args: Sequence[str], log: str, port: int = 0) -> None:
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{log}-{self.port}.log"
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1",
-            "ATOM_INTERNAL_TOKEN": _TOKEN,
-        }
-        argv = [
-            sys.executable,
-            "-m",
-            module,
-            *args,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
+    def __init__(self, argv: Sequence[str], port: int, log: str, *, health: str = "/health",
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_url = self.url + health
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{log}-{port}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         with self.log_path.open("wb") as out:  # the child keeps its own handle
-            self.proc = subprocess.Popen(
-                argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env
-            )
+            self.proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=out,
+                                         stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
         def healthy() -> bool:
@@ -160,10 +146,10 @@ class Served:
                     f"{self.url} exited with {self.proc.returncode}:\n"
                     + self.log_path.read_text(errors="replace")[-4000:]
                 )
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
                 return r.status == 200
 
-        wait_for(healthy, timeout=timeout_s, what=f"{self.url}/health", interval=0.1)
+        wait_for(healthy, timeout=timeout_s, what=self.health_url, interval=0.1)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -176,14 +162,19 @@ class Served:
 
 def start_server(*args: str) -> Served:
     """`atom-runtime serve` with these flags (the later of two equal flags wins)."""
-    return Served("atom.cli.main", ["serve", *args], "atom-server")
+    port = free_port()
+    argv = ["atom.cli.main", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    return Served(argv, port, "atom-server", env={"ATOM_INTERNAL_TOKEN": _TOKEN})
 
 
 def start_router(prefill: Sequence[str], decode: Sequence[str]) -> Served:
-    return Served("atom.router.main", ["--prefill", *prefill, "--decode", *decode], "atom-router")
+    port = free_port()
+    argv = ["atom.router.main", "--prefill", *prefill, "--decode", *decode,
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    return Served(argv, port, "atom-router", env={"ATOM_INTERNAL_TOKEN": _TOKEN})
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +22,11 @@ from typing import Any
 
 from atom_operator import builders
 from atom_operator.builders import Owner
-from atom_operator.demo import Kubectl, LocalOperator, install_crd, is_ready
 from atom_operator.devcluster import LocalCluster
 from atom_operator.kube import Kube
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot, deployment_complete
-from common import REPO, wait_for
+from common import REPO, Served, free_port, wait_for
 
 RAW_NS, OP_NS = "bench-raw", "bench-operator"
 # No GPU requests and no cache claim: the local cluster has no provisioner, and we measure the
@@ -84,6 +82,35 @@ def run_raw(kube: Kube, count: int) -> dict[str, float]:
     }
 
 
+def install_crd(cluster: LocalCluster) -> None:
+    """Apply the generated CRD and poll until it is served (`kubectl wait` fails while the CRD
+    has no conditions yet)."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "atomdeployment.yaml"))
+    established = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+    crd = ("get", "crd", "atomdeployments.atom.dev", "-o", established)
+    wait_for(lambda: cluster.kubectl(*crd, check=False).stdout.strip() == "True",
+             timeout=60, what="CRD Established")  # fmt: skip
+
+
+def start_operator(cluster: LocalCluster, interval: float) -> Served:
+    """`python -m atom_operator.main` on the cluster, watching the benchmark's namespace."""
+    port = free_port()
+    env = {**cluster.env(), "ATOM_OPERATOR_NAMESPACES": OP_NS,
+           "ATOM_OPERATOR_RECONCILE_INTERVAL": str(interval),
+           "ATOM_OPERATOR_HEALTH_PORT": str(port),
+           "ATOM_OPERATOR_DEFAULT_IMAGE": "atom-runtime:e2e",
+           "ATOM_OPERATOR_LOG_LEVEL": "WARNING"}  # fmt: skip
+    return Served(["atom_operator.main"], port, "atom-operator", health="/healthz", env=env)
+
+
+def is_ready(obj: dict[str, Any]) -> bool:
+    """Ready at the current generation: phase and condition both."""
+    status = obj.get("status") or {}
+    ready = {c["type"]: c["status"] for c in status.get("conditions") or []}.get("Ready")
+    current = status.get("observedGeneration") == obj["metadata"]["generation"]
+    return current and status.get("phase") == "Ready" and ready == "True"
+
+
 def atomd(name: str) -> dict[str, Any]:
     return {
         "apiVersion": "atom.dev/v1alpha1",
@@ -103,16 +130,14 @@ def run_operator(kube: Kube, count: int) -> dict[str, float]:
         items = kube.request(
             "GET", f"/apis/atom.dev/v1alpha1/namespaces/{OP_NS}/atomdeployments"
         ).get("items", [])
-        return len(items) == count and all(
-            is_ready(o) and o["status"].get("phase") == "Ready" for o in items
-        )
+        return len(items) == count and all(is_ready(o) for o in items)
 
     wait_for(all_ready, timeout=1800, what="all AtomDeployments Ready", interval=1)
     return {"apply_s": applied_s, "all_ready_s": time.monotonic() - start}
 
 
-def probe(op: LocalOperator) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.health_port}/healthz", timeout=5) as r:
+def probe(op: Served) -> dict[str, Any]:
+    with urllib.request.urlopen(op.health_url, timeout=5) as r:
         return json.loads(r.read()).get("reconcile", {})
 
 
@@ -135,26 +160,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "operator_bench.json")
     args = parser.parse_args()
 
-    with LocalCluster(nodes=args.nodes) as cluster, tempfile.TemporaryDirectory() as tmp:
-        env = cluster.env()
-        kubectl = Kubectl(env)
+    with LocalCluster(nodes=args.nodes) as cluster:
         kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
-        install_crd(kubectl)
+        install_crd(cluster)
         for ns in (RAW_NS, OP_NS):
-            kubectl("create", "namespace", ns, check=False)
+            cluster.kubectl("create", "namespace", ns, check=False)
 
         raw = run_raw(kube, args.count)
-        kubectl("delete", "namespace", RAW_NS, "--wait=false")
+        cluster.kubectl("delete", "namespace", RAW_NS, "--wait=false")
 
-        op_env = {
-            **env,
-            "ATOM_OPERATOR_DEFAULT_IMAGE": "atom-runtime:e2e",
-            "ATOM_OPERATOR_LOG_LEVEL": "WARNING",
-        }
-        with LocalOperator(op_env, Path(tmp) / "operator.log", [OP_NS], args.interval) as op:
+        op = start_operator(cluster, args.interval)
+        try:
+            op.wait_healthy(60)
             operated = run_operator(kube, args.count)
             latency = probe(op)
-            rss = peak_rss_mib(op.pid)
+            rss = peak_rss_mib(op.proc.pid)
+        finally:
+            op.stop()
 
     result = {
         "count": args.count,
