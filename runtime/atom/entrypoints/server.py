@@ -17,6 +17,7 @@ from aiohttp import web
 
 from atom.disagg.handle import KVHandle
 from atom.entrypoints.async_engine import AsyncEngine, Prefilled
+from atom.entrypoints.body import parse_object, read_body
 from atom.entrypoints.errors import APIError
 from atom.entrypoints.generation import (
     Delta,
@@ -27,12 +28,8 @@ from atom.entrypoints.generation import (
 )
 from atom.entrypoints.info import config_info, graph_info
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
-from atom.entrypoints.protocol import (
-    GenerationRequest,
-    chat_request,
-    completion_request,
-    parse_json,
-)
+from atom.entrypoints.middleware import json_errors
+from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
 from atom.tokenizer import BaseTokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,7 +70,7 @@ STATE_KEY = web.AppKey("atom_state", ServerState)
 
 
 def create_app(state: ServerState) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors(_count)])
     app[STATE_KEY] = state
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -84,20 +81,11 @@ def create_app(state: ServerState) -> web.Application:
     return app
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except APIError as exc:
-        if exc.status in (429, 503):
-            request.app[STATE_KEY].metrics.rejected.labels(status=str(exc.status)).inc()
-        return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(413, exc.text or "request body too large").response()
-    except web.HTTPException as exc:  # 404/405 from routing, in the OpenAI shape
-        if exc.status >= 400:
-            return APIError(exc.status, exc.reason, code=str(exc.status)).response()
-        raise
+def _count(request: web.Request, status: int) -> None:
+    metrics = request.app[STATE_KEY].metrics
+    metrics.responses.labels(status=str(status)).inc()
+    if status in (429, 503) and request.method == "POST":
+        metrics.rejected.labels(status=str(status)).inc()
 
 
 # ---- probes and introspection -------------------------------------------------------------------
@@ -180,7 +168,7 @@ def _admit(state: ServerState) -> None:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    return parse_json(await request.read())
+    return await parse_object(await read_body(request, MAX_BODY_BYTES))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -199,7 +187,13 @@ async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
     mode = kv.get("mode") if isinstance(kv, dict) else None
     try:
         if chat:
-            req = chat_request(body, state.tokenizer, state.served_model_name, state.max_model_len)
+            req = chat_request(
+                body,
+                state.tokenizer,
+                state.served_model_name,
+                state.max_model_len,
+                state.vocab_size,
+            )
         else:
             req = completion_request(
                 body,
