@@ -16,6 +16,8 @@ from typing import Any
 from aiohttp import web
 
 from atom.disagg.handle import KVHandle
+from atom.disagg.holds import HoldCapExceeded
+from atom.disagg.trust import is_internal
 from atom.entrypoints.async_engine import AsyncEngine, Prefilled
 from atom.entrypoints.body import parse_object, read_body
 from atom.entrypoints.errors import APIError
@@ -27,6 +29,7 @@ from atom.entrypoints.generation import (
     new_request_id,
 )
 from atom.entrypoints.info import config_info, graph_info
+from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
 from atom.entrypoints.middleware import json_errors
 from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
@@ -78,6 +81,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
+    app.router.add_post(RELEASE_PATH, release_handler(lambda r: r.app[STATE_KEY].kv))
     return app
 
 
@@ -183,6 +187,13 @@ async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     _admit(state)
     body = await _body(request)
+    if "kv_transfer" in body and not is_internal(request.headers):  # atom.disagg.trust
+        raise APIError(
+            403,
+            "kv_transfer is only accepted from the router (X-Atom-Internal-Token)",
+            param="kv_transfer",
+            code="kv_transfer_forbidden",
+        )
     kv = body.get("kv_transfer")  # disaggregation (docs/architecture.md); absent: unified
     mode = kv.get("mode") if isinstance(kv, dict) else None
     try:
@@ -233,11 +244,20 @@ async def _serve_prefill(state: ServerState, req: GenerationRequest, chat: bool)
     req.max_tokens, req.stream = 1, False
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     assert state.tokenizer is not None
+    try:
+        reservation = kv.reserve(len(req.prompt_ids))  # --max-held-kv-fraction
+    except HoldCapExceeded as exc:
+        raise APIError(503, str(exc), param="kv_transfer", code="kv_hold_cap") from None
     gen = generate(
         state.engine, state.tokenizer, state.metrics, req, request_id, "prefill", hold_kv=True
     )
-    async with aclosing(gen):
-        deltas = [d async for d in gen]
+    try:
+        with reservation:
+            async with aclosing(gen):
+                deltas = [d async for d in gen]
+    except BaseException:  # the router left (or the engine failed): nobody will pull
+        kv.release_local(request_id)
+        raise
     first = next((d for d in deltas if d.token_ids), None)
     if first is None:  # aborted before sampling (shutting down): nothing is held
         raise APIError(503, "the prefill produced no token", code="engine_unavailable")
@@ -282,8 +302,12 @@ async def _serve_decode(
         try:
             blocks = (await state.kv.pull(handle)).blocks
         except KVTransferError as exc:
+            state.kv.release_soon(handle)
             status = 409 if exc.code == "kv_mismatch" else 503
             raise APIError(status, exc.message, param="kv_transfer", code=exc.code) from None
+        except BaseException:  # our client left mid-pull: free the blocks on the prefill now
+            state.kv.release_soon(handle)
+            raise
     pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob)
     return await _serve(request, state, req, chat, prefilled=pre)
 
