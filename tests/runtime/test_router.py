@@ -289,12 +289,21 @@ def test_prefill_client_error_is_returned_without_decode() -> None:
         async with httpx.AsyncClient() as c:
             r = await complete(c, router)
             assert r.status_code == 400 and r.json()["error"]["message"] == "prompt too long"
-            bad = await c.post(
-                router + "/v1/completions",
-                content=b"{oops",
-                headers={"content-type": "application/json"},
-            )
-            assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+            for content, headers in (
+                (b"{oops", {}),
+                (b'{"model": "m", "prompt": "\\ud800"}', {}),  # a lone surrogate
+                (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}),
+                (b"\x1f\x8b not gzip", {"Content-Encoding": "gzip"}),
+                (b'{"model": "m"}', {"Content-Encoding": "bogus"}),
+            ):
+                bad = await c.post(
+                    router + "/v1/completions",
+                    content=content,
+                    headers={"content-type": "application/json", **headers},
+                )
+                assert bad.status_code == 400, bad.text
+                assert bad.json()["error"]["type"] == "invalid_request_error"
+            assert len(p.bodies) == 1  # none of them reached a backend
 
     with_router([p], [d], check)
     assert d.bodies == []

@@ -67,6 +67,7 @@ class KVServer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _refuse(self, writer: asyncio.StreamWriter, kind: int, message: str) -> None:
+        message = message if len(message) <= 300 else message[:297] + "..."  # the peer chose it
         logger.warning("KV request refused (%s): %s", wire.ERROR_NAMES.get(kind, kind), message)
         if self.metrics is not None:
             self.metrics.outcome("sent", "refused")

@@ -3,7 +3,9 @@
 Shared by the runtime server and the router (torch-free). The HTTP runners are built with
 `RUNNER_KWARGS` (aiohttp's own decompression off): aiohttp answers a body it cannot inflate with
 a plain-text 400 or 500 before any middleware runs, so the body is inflated here instead, with
-the same size bound as the raw body (no zip bombs). JSON that Python can parse but nothing
+the same size bound as the raw body (no zip bombs). A body labelled gzip or deflate that already
+is JSON (`{` first: neither format can start so) is taken as it is, so a runner that still
+inflates (or a client that mislabels) works too. JSON that Python can parse but nothing
 downstream can use is refused too: nesting deeper than `MAX_DEPTH`, lone UTF-16 surrogates
 (`"\\ud800"`: not encodable as UTF-8, so the tokenizer or the response would fail), integers of
 more than 4,300 digits. Large bodies are parsed on a worker thread so the event loop keeps
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 # web.AppRunner(app, **RUNNER_KWARGS): read_body() inflates gzip/deflate itself.
 RUNNER_KWARGS: dict[str, Any] = {"auto_decompress": False}
@@ -45,7 +48,7 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise
-    except (ConnectionError, OSError, ValueError) as exc:  # RequestPayloadError is a ValueError
+    except (ConnectionError, OSError, ValueError, RequestPayloadError) as exc:
         raise BodyError(f"cannot read the request body: {exc}", "invalid_body") from None
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
@@ -55,6 +58,8 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
             f"Content-Encoding {encoding[:40]!r} is not supported (gzip, deflate or identity)",
             "unsupported_content_encoding",
         )
+    if raw.lstrip()[:1] == b"{":
+        return raw
     wbits = 16 + zlib.MAX_WBITS if "gzip" in encoding else zlib.MAX_WBITS
     try:
         inflater = zlib.decompressobj(wbits)
