@@ -45,6 +45,7 @@ class Backend:
         self.released: list[dict[str, Any]] = []  # bodies of POST /internal/kv/release
         self.health_delay = 0.0
         self.draining = False  # /health 503 "draining", generation still served
+        self.health_reset = False  # /health probes get their connection cut (like refused)
         self.disconnects = 0
         self.step_s = 0.01
         self.hang = False  # accept requests and never answer
@@ -69,6 +70,10 @@ class Backend:
     async def health(self, request: web.Request) -> web.Response:
         self.headers.append(dict(request.headers))
         await asyncio.sleep(self.health_delay)
+        if self.health_reset:
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.sleep(1)
         if self.hang_health:
             await asyncio.sleep(30)
         if self.draining:
@@ -599,6 +604,32 @@ def test_draining_backend_gets_no_new_work_and_its_streams_finish() -> None:
             health = (await c.get(router + "/health")).json()["backends"]["decode"]
             assert [b["reason"] for b in health] == ["server is shutting down", "ok"]
         assert d1.disconnects == 0
+
+    with_router([p], [d1, d2], check)
+
+
+def test_failed_probes_stop_new_work_only_and_streams_in_flight_finish() -> None:
+    p, d1, d2 = Backend("p"), Backend("d1"), Backend("d2")
+    d1.step_s = d2.step_s = 0.1
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            streams = [
+                asyncio.ensure_future(complete(c, router, max_tokens=12, stream=True))
+                for _ in range(6)
+            ]
+            while len(d1.bodies) + len(d2.bodies) < 6:
+                await asyncio.sleep(0.01)
+            on_d1 = len(d1.bodies)
+            assert on_d1 >= 2  # least outstanding: the streams are spread over d1 and d2
+            d1.health_reset = True  # every probe of d1 now fails at the connection level
+            await asyncio.sleep(0.3)
+            later = [(await complete(c, router)).json()["choices"][0]["text"] for _ in range(4)]
+            assert later == ["d2"] * 4 and len(d1.bodies) == on_d1
+            assert all(sse_ok(r, 12) for r in await asyncio.gather(*streams))
+            health = (await c.get(router + "/health")).json()["backends"]["decode"]
+            assert health[0]["reason"].startswith("/health unreachable")
+        assert d1.disconnects == 0 and p.released == []
 
     with_router([p], [d1, d2], check)
 
