@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -101,6 +101,16 @@ def start_server(*extra: str, port: int | None = None, env: dict[str, str] | Non
         "atom-server",
         env,
     )
+
+
+def healthy_server(*extra: str, env: dict[str, str] | None = None) -> Iterator[Proc]:
+    """For a module fixture (`yield from healthy_server(...)`): started, healthy, then stopped."""
+    proc = start_server(*extra, env=env)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
 
 
 def start_router(

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_proc import Proc, start_server
+from server_proc import Proc, healthy_server
 
 MODEL = "tiny-llama"
 BASE = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
@@ -23,12 +23,7 @@ BASE = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Proc]:
-    proc = start_server("--max-model-len", "256", "--num-kv-blocks", "64")
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        proc.stop()
+    yield from healthy_server("--max-model-len", "256", "--num-kv-blocks", "64")
 
 
 def post(server: Proc, body: object, path: str = "/v1/completions", **kw: object) -> httpx.Response:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_proc import Proc, start_server
+from server_proc import Proc, healthy_server
 
 MODEL = "tiny-llama"
 # Every status the server documents for a client's request; 5xx are for the server's own state
@@ -126,12 +126,7 @@ engine_bound = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Proc]:
-    proc = start_server("--max-model-len", "48", "--num-kv-blocks", "32")
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        proc.stop()
+    yield from healthy_server("--max-model-len", "48", "--num-kv-blocks", "32")
 
 
 @pytest.fixture(scope="module")
