@@ -52,6 +52,7 @@ class Backend:
         self.hang_health = False
         self.drop = False  # close the connection without answering (a crash mid-request)
         self.decode_error: tuple[int, dict[str, Any]] | None = None
+        self.kv_host: str | None = None  # what a prefill handle advertises
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -104,7 +105,7 @@ class Backend:
         if kv.get("mode") == "prefill":
             handle = {
                 "handle": f"{self.name}-{len(self.bodies)}",
-                "kv_host": None,
+                "kv_host": self.kv_host,
                 "kv_port": 9,
                 "secret": "s3cret",
             }
@@ -662,11 +663,19 @@ def test_api_key_is_checked_and_forwarded_and_client_kv_transfer_is_replaced() -
             )
             assert r.status_code == 200
             assert (await c.get(router + "/v1/models", headers=good)).status_code == 200
+            p.kv_host = "169.254.169.254"
+            assert (await complete(c, router, prompt="y")).status_code == 401
+            r = await c.post(
+                router + "/v1/completions", json={"model": "m", "prompt": "y"}, headers=good
+            )
+            assert r.status_code == 200
         assert p.bodies[0]["kv_transfer"] == {"mode": "prefill"}
         assert d.bodies[0]["kv_transfer"]["kv_host"] == "127.0.0.1"
         assert d.bodies[0]["kv_transfer"]["handle"] == "p-1"
+        # a prefill advertising an address that is no prefill instance is not believed
+        assert d.bodies[1]["kv_transfer"]["kv_host"] == "127.0.0.1"
         sent = [h for b in (p, d) for h in b.headers if "Authorization" in h]
-        assert len(sent) == 3 and all(h["Authorization"] == "Bearer sk-test" for h in sent)
+        assert len(sent) == 5 and all(h["Authorization"] == "Bearer sk-test" for h in sent)
 
     with_router([p], [d], check, settings=settings)
 

@@ -380,7 +380,13 @@ class Router:
         t0: float,
     ) -> web.StreamResponse:
         kv = {**handle, "mode": "decode"}
-        if not kv.get("kv_host"):  # the prefill does not know its address: use the one we reached
+        # Decode instances dial only prefill instances we know: the advertised address if it is
+        # one of theirs, else (unset, or anything else) the one we reached this prefill at.
+        known = {i.host for i in self.prefill.instances.values()}
+        if kv.get("kv_host") not in known:
+            if kv.get("kv_host"):
+                logger.warning("prefill %s advertised KV host %s, not a prefill instance; using "
+                               "%s", prefill.url, bounded(str(kv["kv_host"]), 80), prefill.host)  # fmt: skip
             kv["kv_host"] = prefill.host
         reply = _Reply(request, t0, self.metrics)
         try:
