@@ -25,7 +25,6 @@ from pydantic import (
     ValidationError,
 )
 
-from atom.entrypoints.body import BodyError, loads_object
 from atom.entrypoints.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -119,13 +118,6 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        return loads_object(raw)
-    except BodyError as exc:
-        raise bad_request(exc.message, code=exc.code) from None
 
 
 def precheck(body: dict[str, Any], max_model_len: int, chat: bool) -> None:
