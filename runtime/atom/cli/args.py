@@ -43,6 +43,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value}")
+    return value
+
+
 def _level(text: str) -> int:
     value = int(text)
     if value not in (0, 1, 2, 3):
@@ -72,8 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache-dir", default=None)
     parser.add_argument("--role", choices=ROLES, default="unified")
     parser.add_argument("--kv-port", type=int, default=None, help="serve held KV blocks on this port (prefill default 8001; 0: any free port)")
-    parser.add_argument("--kv-host", default=None, help="address decode instances dial for this instance's blocks (default $ATOM_KV_HOST, else the router fills in the address it reached)")
+    parser.add_argument("--kv-host", default=None, help="address the KV port binds to and decode instances dial (default: bind --host; dial $ATOM_KV_HOST, else the address the router reached)")
     parser.add_argument("--kv-hold-seconds", type=_positive_float, default=30.0, help="prefill: free blocks not pulled within this time")
+    parser.add_argument("--max-held-kv-fraction", type=_fraction, default=0.5, help="prefill: cap on KV blocks held for pulls, as a fraction of the pool; beyond it prefills get 503 kv_hold_cap")
     parser.add_argument("--kv-pull-timeout", type=_positive_float, default=30.0, help="decode: bound on one pull attempt (a broken pull is retried once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.body import RUNNER_KWARGS
 from atom.entrypoints.server import ServerState, create_app
 from atom.tokenizer import load_tokenizer
 
@@ -66,7 +67,7 @@ async def serve(
     app = create_app(state)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequence.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=grace_s, access_log=None
+        app, handler_cancellation=True, shutdown_timeout=grace_s, access_log=None, **RUNNER_KWARGS
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)

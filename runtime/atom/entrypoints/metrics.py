@@ -86,6 +86,12 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+        self.responses = Counter(
+            "atom_http_responses",
+            "HTTP responses by status code (every route, errors included)",
+            ["status"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "atom_prompt_tokens", "Prompt tokens of admitted requests", registry=self.registry
         )

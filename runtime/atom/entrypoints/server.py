@@ -16,7 +16,10 @@ from typing import Any
 from aiohttp import web
 
 from atom.disagg.handle import KVHandle
+from atom.disagg.holds import HoldCapExceeded
+from atom.disagg.trust import is_internal
 from atom.entrypoints.async_engine import AsyncEngine, Prefilled
+from atom.entrypoints.body import parse_object, read_body
 from atom.entrypoints.errors import APIError
 from atom.entrypoints.generation import (
     Delta,
@@ -26,13 +29,10 @@ from atom.entrypoints.generation import (
     new_request_id,
 )
 from atom.entrypoints.info import config_info, graph_info
+from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
-from atom.entrypoints.protocol import (
-    GenerationRequest,
-    chat_request,
-    completion_request,
-    parse_json,
-)
+from atom.entrypoints.middleware import json_errors
+from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
 from atom.tokenizer import BaseTokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ STATE_KEY = web.AppKey("atom_state", ServerState)
 
 
 def create_app(state: ServerState) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors(_count)])
     app[STATE_KEY] = state
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -81,23 +81,15 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
+    app.router.add_post(RELEASE_PATH, release_handler(lambda r: r.app[STATE_KEY].kv))
     return app
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except APIError as exc:
-        if exc.status in (429, 503):
-            request.app[STATE_KEY].metrics.rejected.labels(status=str(exc.status)).inc()
-        return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(413, exc.text or "request body too large").response()
-    except web.HTTPException as exc:  # 404/405 from routing, in the OpenAI shape
-        if exc.status >= 400:
-            return APIError(exc.status, exc.reason, code=str(exc.status)).response()
-        raise
+def _count(request: web.Request, status: int) -> None:
+    metrics = request.app[STATE_KEY].metrics
+    metrics.responses.labels(status=str(status)).inc()
+    if status in (429, 503) and request.method == "POST":
+        metrics.rejected.labels(status=str(status)).inc()
 
 
 # ---- probes and introspection -------------------------------------------------------------------
@@ -180,7 +172,7 @@ def _admit(state: ServerState) -> None:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    return parse_json(await request.read())
+    return await parse_object(await read_body(request, MAX_BODY_BYTES))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -195,11 +187,24 @@ async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     _admit(state)
     body = await _body(request)
+    if "kv_transfer" in body and not is_internal(request.headers):  # atom.disagg.trust
+        raise APIError(
+            403,
+            "kv_transfer is only accepted from the router (X-Atom-Internal-Token)",
+            param="kv_transfer",
+            code="kv_transfer_forbidden",
+        )
     kv = body.get("kv_transfer")  # disaggregation (docs/architecture.md); absent: unified
     mode = kv.get("mode") if isinstance(kv, dict) else None
     try:
         if chat:
-            req = chat_request(body, state.tokenizer, state.served_model_name, state.max_model_len)
+            req = chat_request(
+                body,
+                state.tokenizer,
+                state.served_model_name,
+                state.max_model_len,
+                state.vocab_size,
+            )
         else:
             req = completion_request(
                 body,
@@ -239,11 +244,20 @@ async def _serve_prefill(state: ServerState, req: GenerationRequest, chat: bool)
     req.max_tokens, req.stream = 1, False
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     assert state.tokenizer is not None
+    try:
+        reservation = kv.reserve(len(req.prompt_ids))  # --max-held-kv-fraction
+    except HoldCapExceeded as exc:
+        raise APIError(503, str(exc), param="kv_transfer", code="kv_hold_cap") from None
     gen = generate(
         state.engine, state.tokenizer, state.metrics, req, request_id, "prefill", hold_kv=True
     )
-    async with aclosing(gen):
-        deltas = [d async for d in gen]
+    try:
+        with reservation:
+            async with aclosing(gen):
+                deltas = [d async for d in gen]
+    except BaseException:  # the router left (or the engine failed): nobody will pull
+        kv.release_local(request_id)
+        raise
     first = next((d for d in deltas if d.token_ids), None)
     if first is None:  # aborted before sampling (shutting down): nothing is held
         raise APIError(503, "the prefill produced no token", code="engine_unavailable")
@@ -288,8 +302,12 @@ async def _serve_decode(
         try:
             blocks = (await state.kv.pull(handle)).blocks
         except KVTransferError as exc:
+            state.kv.release_soon(handle)
             status = 409 if exc.code == "kv_mismatch" else 503
             raise APIError(status, exc.message, param="kv_transfer", code=exc.code) from None
+        except BaseException:  # our client left mid-pull: free the blocks on the prefill now
+            state.kv.release_soon(handle)
+            raise
     pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob)
     return await _serve(request, state, req, chat, prefilled=pre)
 
