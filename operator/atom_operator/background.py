@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,26 +25,53 @@ COALESCE_S = 0.5
 
 
 class Requeue:
-    """A set of (namespace, name) keys to reconcile, drained by one worker thread."""
+    """A set of (namespace, name) keys to reconcile, drained by one worker thread; keys added
+    `later` join it when their time comes (retries after a failed apply)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._pending: set[tuple[str, str]] = set()
+        self._later: dict[tuple[str, str], float] = {}  # key -> due (monotonic)
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._clock = clock
 
     def add(self, namespace: str, name: str) -> None:
         with self._lock:
             self._pending.add((namespace, name))
             self._wake.set()
 
+    def later(self, namespace: str, name: str, delay: float) -> None:
+        due = self._clock() + delay
+        with self._lock:
+            key = (namespace, name)
+            self._later[key] = min(due, self._later.get(key, due))
+
+    def _promote(self) -> None:
+        now = self._clock()
+        for key, due in list(self._later.items()):
+            if due <= now:
+                del self._later[key]
+                self._pending.add(key)
+                self._wake.set()
+
     def drain(self) -> set[tuple[str, str]]:
         with self._lock:
+            self._promote()
             items, self._pending = self._pending, set()
             self._wake.clear()
             return items
 
     def wait(self, timeout: float) -> bool:
-        return self._wake.wait(timeout)
+        with self._lock:
+            self._promote()
+            if self._later:
+                timeout = max(0.0, min(timeout, min(self._later.values()) - self._clock()))
+        return self._wake.wait(timeout) or self._due()
+
+    def _due(self) -> bool:
+        with self._lock:
+            self._promote()
+            return bool(self._pending)
 
 
 class Background:
@@ -82,7 +110,7 @@ class Background:
         if meta.get("deletionTimestamp"):
             return
         try:
-            patch = run_one(
+            outcome = run_one(
                 self.kube,
                 meta=meta,
                 spec=obj.get("spec") or {},
@@ -90,12 +118,19 @@ class Background:
                 default_image=self.default_image,
                 logger=self.logger,
             )
-            if patch:
-                self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], patch)
+            if outcome.patch:
+                self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], outcome.patch)
+            self.retry(meta["namespace"], meta["name"], outcome.retry_in)
         except Exception:  # one broken object must not stop the others
             self.logger.exception(
                 "reconcile of %s/%s failed", meta.get("namespace"), meta.get("name")
             )
+
+    def retry(self, namespace: str, name: str, delay: float | None) -> None:
+        """Reconcile again after `delay` seconds (a failed apply's backoff)."""
+        if delay is not None:
+            self.logger.info("retrying %s/%s in %.0fs", namespace, name, delay)
+            self.requeue.later(namespace, name, delay)
 
     def _map(self, pool: ThreadPoolExecutor, fn: Callable[[Any], None], items: list[Any]) -> None:
         if not self.stop.is_set():

@@ -90,7 +90,7 @@ def on_change(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
-    changed = run_one(
+    outcome = run_one(
         _state["kube"],
         meta=meta,
         spec=spec,
@@ -98,8 +98,9 @@ def on_change(
         default_image=SETTINGS.default_image,
         logger=logger,
     )
-    if changed:
-        patch.status.update(changed)
+    if outcome.patch:
+        patch.status.update(outcome.patch)
+    _state["background"].retry(meta["namespace"], meta["name"], outcome.retry_in)
 
 
 def _child_changed(body: kopf.Body, **_: Any) -> None:

@@ -28,6 +28,18 @@ AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWrit
 
 MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
 DEFAULT_MAX_NUM_SEQS = 512  # the runtime's default (atom.cli.args)
+# metadata.name is the endpoint Service's name and the app.kubernetes.io/instance label value
+# of every child: both are DNS-1035 labels (63 characters, lowercase, no dots).
+MAX_NAME_LENGTH = 63
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Volume sources that reach the node itself (files, host binaries, git on the host).
+HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
+# The paths whose lists are capture sizes, checked against engine.maxNumSeqs.
+COMPILATION_PATHS = (
+    "compilation",
+    "disaggregation.prefill.compilation",
+    "disaggregation.decode.compilation",
+)
 
 # Kubernetes-native sub-objects (volume source, resources, ...) are passed through untouched.
 _OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
@@ -37,17 +49,59 @@ def _opaque_object(description: str) -> Any:
     return Field(default=None, description=description, json_schema_extra=_OPAQUE)
 
 
-def _sizes_rule(path: str) -> dict[str, str]:
-    """CEL: every capture size of `path` is at most engine.maxNumSeqs (defaults applied)."""
+def _sizes_rule(path: str, *, single_value_clamped: bool = False) -> dict[str, str]:
+    """CEL: every capture size of `path` is at most engine.maxNumSeqs (defaults applied), as
+    the runtime's Config checks it. One cudaGraphSizes value N is a pattern the runtime clamps
+    to maxNumSeqs, so only lists of two or more values are checked there."""
     parts = path.split(".")
     guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
     max_seqs = f"(has(self.engine) && has(self.engine.maxNumSeqs) ? self.engine.maxNumSeqs : {DEFAULT_MAX_NUM_SEQS})"
+    check = f"self.{path}.all(s, s <= {max_seqs})"
+    message = f"every size in {path} must be at most engine.maxNumSeqs"
+    if single_value_clamped:
+        check = f"size(self.{path}) <= 1 || {check}"
+        message = (
+            f"{path} with several values is used as is: every value must be at most "
+            "engine.maxNumSeqs (one value N is a pattern clamped to maxNumSeqs)"
+        )
     return {
-        "rule": f"!({guards}) || self.{path}.all(s, s <= {max_seqs})",
-        "message": f"every size in {path} must be at most engine.maxNumSeqs",
+        "rule": f"!({guards}) || {check}",
+        "message": message,
         "fieldPath": f".{path}",
         "reason": "FieldValueInvalid",
     }
+
+
+def size_rules() -> list[dict[str, str]]:
+    """Every capture-size list of every compilation block, whatever its length."""
+    rules = []
+    for path in COMPILATION_PATHS:
+        rules.append(_sizes_rule(f"{path}.cudagraphCaptureSizes"))
+        rules.append(_sizes_rule(f"{path}.cudaGraphSizes", single_value_clamped=True))
+    return rules
+
+
+def root_rules() -> list[dict[str, str]]:
+    """CEL on the whole object (only there can a rule read metadata.name)."""
+    why = (
+        "it names the endpoint Service and is the app.kubernetes.io/instance label of every "
+        "child, both DNS-1035 labels"
+    )
+    return [
+        {
+            "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: {why}",
+            "fieldPath": ".metadata.name",
+            "reason": "FieldValueTooLong",
+        },
+        {
+            "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+            "message": "metadata.name must be lowercase letters, digits and '-', start with a "
+            f"letter and end with a letter or digit (no dots): {why}",
+            "fieldPath": ".metadata.name",
+            "reason": "FieldValueInvalid",
+        },
+    ]
 
 
 class _Base(BaseModel):
@@ -210,7 +264,12 @@ class CompileCacheSpec(_Base):
 class RoleSpec(_Base):
     """One disaggregated role."""
 
-    replicas: int = Field(default=1, ge=0, description="Pods of this role.")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Pods of this role (at least 1: a disaggregated deployment without prefill "
+        "or decode pods cannot serve a request; delete it to stop serving).",
+    )
     compilation: CompilationOverride | None = Field(
         default=None, description="Overrides of spec.compilation for this role."
     )
@@ -222,7 +281,12 @@ class RoleSpec(_Base):
 class RouterSpec(_Base):
     """The router that pairs prefill and decode pods of one revision."""
 
-    replicas: int = Field(default=1, ge=0, description="Router pods.")
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        description="Router pods (every disaggregated request passes a router: two by default, "
+        "so a node drain or a router restart does not stop serving).",
+    )
     resources: dict[str, Any] | None = _opaque_object("Container resources of the router.")
 
 
@@ -251,9 +315,7 @@ class AtomDeploymentSpec(_Base):
                     "fieldPath": ".replicas",
                     "reason": "FieldValueForbidden",
                 },
-                _sizes_rule("compilation.cudagraphCaptureSizes"),
-                _sizes_rule("disaggregation.prefill.compilation.cudagraphCaptureSizes"),
-                _sizes_rule("disaggregation.decode.compilation.cudagraphCaptureSizes"),
+                *size_rules(),
             ]
         }
     )

@@ -7,6 +7,8 @@ trigger converges the same way, and a restart mid-way just runs it again.
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -14,14 +16,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from atom_operator import builders, naming, status
+from atom_operator import builders, events, models, naming, status
 from atom_operator.applied import AppliedCache
 from atom_operator.builders import Owner, Plan
+from atom_operator.builders.secret import build_internal_token_secret
 from atom_operator.kube import ApiError, Kube
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot
 
 APPLIED = AppliedCache()
+SECRET_RECHECK_S = 300.0  # a token Secret deleted by hand comes back within this long
+_secrets_seen: dict[tuple[str, str, str], float] = {}  # (namespace, name, owner uid) -> when
+_secrets_lock = threading.Lock()
+_last_status: dict[str, dict[str, Any]] = {}  # uid -> status this process last computed
 
 
 @dataclass
@@ -52,8 +59,55 @@ def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
         jobs=owned(kube.list("Job", ns, selector)),
         services=owned(kube.list("Service", ns, selector)),
         config_maps=owned(kube.list("ConfigMap", ns, selector)),
+        disruption_budgets=owned(kube.list("PodDisruptionBudget", ns, selector)),
+        network_policies=owned(kube.list("NetworkPolicy", ns, selector)),
         pvc=kube.get("PersistentVolumeClaim", ns, claim) if claim else None,
+        autoscalers=_autoscalers(kube, ns),
     )
+
+
+def _autoscalers(kube: Kube, namespace: str) -> list[dict[str, Any]]:
+    """HPAs of the namespace (to spot one aimed at a child); none when RBAC denies the list."""
+    try:
+        return kube.list("HorizontalPodAutoscaler", namespace, "")
+    except ApiError as exc:
+        if exc.status in (403, 404):
+            return []
+        raise
+
+
+def ensure_token_secret(kube: Kube, owner: Owner, name: str) -> None:
+    """Create the internal-token Secret once with a fresh random token; an existing one is
+    never read nor rewritten (no rotation on reconcile, and no RBAC to read Secrets)."""
+    key = (owner.namespace, name, owner.uid)
+    with _secrets_lock:
+        seen = _secrets_seen.get(key)
+    if seen is not None and time.monotonic() - seen < SECRET_RECHECK_S:
+        return
+    kube.create(build_internal_token_secret(owner, name, secrets.token_hex(32)))
+    with _secrets_lock:
+        _secrets_seen[key] = time.monotonic()
+
+
+def post_events(
+    kube: Kube, owner: Owner, previous: dict[str, Any] | None, current: dict[str, Any], logger
+) -> None:
+    involved = {
+        "apiVersion": f"{models.GROUP}/{models.VERSION}",
+        "kind": models.KIND,
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "uid": owner.uid,
+    }
+    # What this process computed last wins over the object's (possibly stale) status, so two
+    # triggers racing on one change post its events once.
+    before = _last_status.get(owner.uid, previous)
+    _last_status[owner.uid] = current
+    for ev in events.transitions(before, current):
+        try:
+            kube.post_event(involved, ev.type, ev.reason, ev.message)
+        except ApiError as exc:  # an event is a courtesy: never fail a reconcile for it
+            logger.warning("posting event %s failed: %s", ev.reason, exc.message)
 
 
 def reconcile(
@@ -85,6 +139,13 @@ def reconcile(
     plan = builders.plan(owner, spec, image, snap)
 
     result = Result(plan=plan, status={})
+    if plan.token_secret:
+        try:  # before the pods that read it (the kubelet would wait for it anyway)
+            ensure_token_secret(kube, owner, plan.token_secret)
+        except ApiError as exc:
+            msg = f"Secret {plan.token_secret}: {exc.message}"
+            logger.warning("creating the internal token failed: %s", msg)
+            result.errors.append(msg)
     observed = snap.by_key()
     for obj in plan.apply:
         if APPLIED.unchanged(obj, observed.get((obj["kind"], obj["metadata"]["name"]))):
@@ -99,12 +160,7 @@ def reconcile(
             result.errors.append(msg)
 
     # Prune what the plan no longer wants; never PVCs: the compile cache outlives revisions.
-    for kind, items in (
-        ("Deployment", snap.deployments),
-        ("Service", snap.services),
-        ("ConfigMap", snap.config_maps),
-        ("Job", snap.jobs),
-    ):
+    for kind, items in snap.prunable():
         for item in items:
             item_name = item["metadata"]["name"]
             if (kind, item_name) not in plan.keep and not item["metadata"].get("deletionTimestamp"):
@@ -124,5 +180,6 @@ def reconcile(
         previous_conditions=(previous_status or {}).get("conditions"),
         apply_errors=result.errors,
     )
+    post_events(kube, owner, previous_status, result.status, logger)
     result.seconds = time.monotonic() - started
     return result

@@ -6,13 +6,13 @@ at that revision (and the router on it), and Degraded names the cause.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from atom_operator import naming, runtime_args
+from atom_operator import naming, problems, runtime_args
 from atom_operator.builders import Plan
 from atom_operator.models import AtomDeploymentSpec
+from atom_operator.problems import Problem
 from atom_operator.snapshot import (
     Snapshot,
     deployment_complete,
@@ -23,13 +23,6 @@ from atom_operator.snapshot import (
 )
 
 CLAIM_PENDING_GRACE = timedelta(minutes=2)  # binding (or WaitForFirstConsumer) takes a moment
-CRASH_RESTARTS = 2
-
-
-@dataclass
-class Problem:
-    reason: str
-    message: str
 
 
 def _timestamp(now: datetime) -> str:
@@ -64,71 +57,55 @@ def _role_ready(counts: dict[str, Any], snap: Snapshot, role: str, revision: str
     )
 
 
-def crash_loops(snap: Snapshot) -> list[Problem]:
-    """Runtime pods that keep dying before their first Ready: compile or capture failing."""
-    problems = []
-    for pod in snap.pods:
-        if (
-            pod["metadata"].get("deletionTimestamp")
-            or label(pod, naming.LABEL_COMPONENT) != "runtime"
-        ):
-            continue
-        for cs in pod.get("status", {}).get("containerStatuses") or []:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            last = (cs.get("lastState") or {}).get("terminated") or {}
-            looping = (
-                waiting.get("reason") == "CrashLoopBackOff"
-                or cs.get("restartCount", 0) >= CRASH_RESTARTS
-            )
-            if looping and not cs.get("ready"):
-                detail = f"{cs.get('restartCount', 0)} restarts"
-                if last:
-                    detail += f", last exit {last.get('reason', 'Error')} (code {last.get('exitCode', '?')})"
-                problems.append(
-                    Problem(
-                        "CaptureCrashLoop",
-                        f"pod {pod['metadata']['name']} ({label(pod, naming.LABEL_ROLE)}) is crash-looping "
-                        f"during compile/capture: {detail}",
-                    )
-                )
-    return problems
-
-
 def cache_condition(
     spec: AtomDeploymentSpec, snap: Snapshot, plan: Plan, now: datetime
 ) -> tuple[str, str, str, list[Problem]]:
     """(status, reason, message, problems) of CompileCacheReady."""
     if not spec.compile_cache.enabled:
         return "True", "Disabled", "compile cache disabled: every pod compiles from scratch", []
-    problems: list[Problem] = []
+    found: list[Problem] = []
     pvc = snap.pvc
     claim = plan.claim_name
     if pvc is None:
-        return "False", "ClaimMissing", f"PersistentVolumeClaim {claim} not found", []
+        msg = f"PersistentVolumeClaim {claim} not found"
+        if spec.compile_cache.existing_claim:  # the operator creates its own claim, not this one
+            found.append(Problem("ClaimMissing", f"compileCache.existingClaim: {msg}"))
+        return "False", "ClaimMissing", msg, found
+    if pvc["metadata"].get("deletionTimestamp"):
+        msg = (
+            f"PersistentVolumeClaim {claim} is being deleted (kept until no pod uses it): pods "
+            "roll without the compile cache"
+        )
+        msg += (
+            "; the operator recreates the claim once it is gone"
+            if not spec.compile_cache.existing_claim
+            else "; recreate compileCache.existingClaim to use it again"
+        )
+        return "False", "ClaimTerminating", msg, [Problem("ClaimTerminating", msg)]
     phase = pvc.get("status", {}).get("phase", "Pending")
     if phase != "Bound":
         created = _parse_time(pvc["metadata"].get("creationTimestamp"))
         msg = f"PersistentVolumeClaim {claim} is {phase}"
         if phase == "Lost" or (created is not None and now - created > CLAIM_PENDING_GRACE):
-            problems.append(Problem("ClaimUnbound", msg + " (no volume bound to it)"))
-        return "False", "ClaimPending", msg, problems
+            found.append(Problem("ClaimUnbound", msg + " (no volume bound to it)"))
+        return "False", "ClaimPending", msg, found
     for key, job_name in plan.warmup_jobs.items():
         state = job_state(snap.job(job_name))
         if state == "Failed":
-            problems.append(
+            found.append(
                 Problem("WarmupFailed", f"warm-up Job {job_name} failed (cache key {key})")
             )
-            return "False", "WarmupFailed", f"warm-up Job {job_name} failed", problems
+            return "False", "WarmupFailed", f"warm-up Job {job_name} failed", found
         if state != "Complete":
             return (
                 "False",
                 "WarmingUp",
                 f"warm-up Job {job_name} is compiling into the cache",
-                problems,
+                found,
             )
     keys = ", ".join(f"{r}={k}" for r, k in plan.cache_keys.items())
     reason = "Warm" if plan.warmup_jobs else "Bound"
-    return "True", reason, f"claim {claim} bound; keys {keys}", problems
+    return "True", reason, f"claim {claim} bound; keys {keys}", found
 
 
 def _condition(
@@ -193,9 +170,16 @@ def compute_status(
         total_roles += 1
         ready_roles += router_ok
 
-    cache_status, cache_reason, cache_msg, problems = cache_condition(spec, snap, plan, now)
-    problems += crash_loops(snap)
-    problems += [Problem("ApplyFailed", e) for e in apply_errors or []]
+    cache_status, cache_reason, cache_msg, found = cache_condition(spec, snap, plan, now)
+    found = problems.unique(
+        [Problem("ApplyFailed", e) for e in apply_errors or []]
+        + found
+        + problems.deployments(snap)
+        + problems.scheduling(snap)
+        + problems.containers(snap)
+        + problems.crash_loops(snap)
+        + problems.foreign_scalers(snap, plan.owned_deployments())
+    )
     all_ready = ready_roles == total_roles
 
     if all_ready:
@@ -233,8 +217,8 @@ def compute_status(
         )
         progressing = ("True", reason, msg)
     degraded = (
-        ("True", problems[0].reason, "; ".join(p.message for p in problems))
-        if problems
+        ("True", found[0].reason, problems.joined(found))
+        if found
         else ("False", "AsExpected", "no failures observed")
     )
     previous = {c["type"]: c for c in previous_conditions or [] if "type" in c}
@@ -246,7 +230,7 @@ def compute_status(
             "CompileCacheReady", cache_status, cache_reason, cache_msg, generation, now, previous
         ),
     ]
-    if problems:
+    if found:
         phase = "Degraded"
     elif all_ready:
         phase = "Ready"

@@ -39,6 +39,11 @@ class Plan:
     warmup_jobs: dict[str, str] = field(default_factory=dict)  # cache key -> Job name
     waiting_for_warmup: list[str] = field(default_factory=list)  # roles held back
     endpoint: str = ""
+    rolling_without_cache: bool = False  # the claim is being deleted (see plan())
+    token_secret: str | None = None  # internal-token Secret to create once (disaggregated)
+
+    def owned_deployments(self) -> set[str]:
+        return {name for kind, name in self.keep if kind == "Deployment"}
 
     def add(self, obj: dict[str, Any] | None) -> None:
         if obj is not None:
@@ -65,12 +70,24 @@ def revision_of(templates: dict[str, dict[str, Any]]) -> str:
     return naming.digest(templates, 10)
 
 
+def without_cache(spec: AtomDeploymentSpec) -> AtomDeploymentSpec:
+    cache = spec.compile_cache.model_copy(update={"enabled": False})
+    return spec.model_copy(update={"compile_cache": cache})
+
+
 def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot) -> Plan:
     keys = cache_keys(spec, image)
-    templates = _templates(owner, spec, image, keys)
-    rev = revision_of(templates)
-    out = Plan(revision=rev, cache_keys=keys, claim_name=claim_name(owner, spec))
+    out = Plan(cache_keys=keys, claim_name=claim_name(owner, spec))
     out.endpoint = naming.service_url(owner.name, owner.namespace, naming.UNIFIED, None)
+    if observed.pvc is not None and observed.pvc["metadata"].get("deletionTimestamp"):
+        # A claim being deleted stays (pvc-protection) while a pod mounts it, and a new pod
+        # waits on it forever: with maxUnavailable 0 neither would go. Pods roll without the
+        # cache instead; once the old pods are gone the claim goes, and the next reconcile
+        # recreates it (the spec's cache is back, one more roll).
+        spec = without_cache(spec)
+        out.rolling_without_cache = True
+    templates = _templates(owner, spec, image, keys)
+    rev = out.revision = revision_of(templates)
 
     out.add(build_pvc(owner, spec))
     warm = _plan_warmup(out, owner, spec, image, keys, observed)
