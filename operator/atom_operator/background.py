@@ -83,11 +83,13 @@ class Background:
         interval: float,
         default_image: str,
         logger: logging.Logger,
+        allow_host_volumes: bool = False,
     ) -> None:
         self.kube = kube
         self.namespaces = namespaces
         self.interval = interval
         self.default_image = default_image
+        self.allow_host_volumes = allow_host_volumes
         self.logger = logger
         self.requeue = Requeue()
         self.stop = threading.Event()
@@ -117,6 +119,7 @@ class Background:
                 status=obj.get("status") or {},
                 default_image=self.default_image,
                 logger=self.logger,
+                allow_host_volumes=self.allow_host_volumes,
             )
             if outcome.patch:
                 self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], outcome.patch)

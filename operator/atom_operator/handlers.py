@@ -29,6 +29,8 @@ CHILD_RESOURCES = [
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("", "v1", "persistentvolumeclaims"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 OURS = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 _state: dict[str, Any] = {}
@@ -64,6 +66,7 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
         interval=SETTINGS.reconcile_interval,
         default_image=SETTINGS.default_image,
         logger=logger,
+        allow_host_volumes=SETTINGS.allow_host_volumes,
     )
     bg.start()
     logger.info(
@@ -97,6 +100,7 @@ def on_change(
         status=status,
         default_image=SETTINGS.default_image,
         logger=logger,
+        allow_host_volumes=SETTINGS.allow_host_volumes,
     )
     if outcome.patch:
         patch.status.update(outcome.patch)

@@ -32,6 +32,7 @@ DEFAULT_MAX_NUM_SEQS = 512  # the runtime's default (atom.cli.args)
 # of every child: both are DNS-1035 labels (63 characters, lowercase, no dots).
 MAX_NAME_LENGTH = 63
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # Volume sources that reach the node itself (files, host binaries, git on the host).
 HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
 # The paths whose lists are capture sizes, checked against engine.maxNumSeqs.
@@ -237,7 +238,7 @@ class CompileCacheSpec(_Base):
     enabled: bool = Field(default=True, description="Mount a compile-cache volume.")
     size: str = Field(
         default="20Gi",
-        pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
+        pattern=QUANTITY,
         description="Requested size of the claim the operator creates.",
     )
     storage_class_name: str | None = Field(
@@ -299,6 +300,41 @@ class Disaggregation(_Base):
     )
     router: RouterSpec = Field(
         default_factory=RouterSpec, description="The router.", json_schema_extra={"default": {}}
+    )
+
+
+class SecretKeyRef(_Base):
+    """A key of a Secret in the AtomDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(
+        default="api-key", min_length=1, max_length=253, description="Key in the Secret."
+    )
+
+
+def _peers_field(description: str) -> Any:
+    return Field(
+        default=None,
+        description=description,
+        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
+    )
+
+
+class NetworkPolicySpec(_Base):
+    """Ingress rules the operator renders as NetworkPolicies (docs/architecture.md)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Render NetworkPolicies: the KV port only from this AtomDeployment's decode "
+        "pods, prefill/decode HTTP only from its router, the endpoint from endpointFrom.",
+    )
+    endpoint_from: list[dict[str, Any]] | None = _peers_field(
+        "NetworkPolicyPeers allowed to the endpoint's port (unified pods, or the router). "
+        "Unset: every pod of every namespace."
+    )
+    metrics_from: list[dict[str, Any]] | None = _peers_field(
+        "NetworkPolicyPeers (a Prometheus) also allowed to the HTTP port of prefill and decode "
+        "pods, for /metrics. Unset: only the router."
     )
 
 
@@ -370,10 +406,45 @@ class AtomDeploymentSpec(_Base):
         max_length=253,
         description="Change to roll every pod (a Git-friendly rollout restart).",
     )
+    shm_size: str = Field(
+        default="2Gi",
+        pattern=QUANTITY,
+        description="Size limit of /dev/shm (a memory-backed emptyDir; it counts against the "
+        "pod's memory).",
+    )
+    priority_class_name: str | None = Field(
+        default=None, min_length=1, max_length=253, description="PriorityClass of every pod."
+    )
+    runtime_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="RuntimeClass of runtime pods (for example nvidia).",
+    )
+    topology_spread_constraints: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Topology spread of runtime and router pods. Unset: a soft spread over "
+        "nodes (kubernetes.io/hostname, ScheduleAnyway) per role; [] for none.",
+        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API key: env ATOM_API_KEY of runtime and router "
+        "pods; /v1 endpoints then require Authorization: Bearer <key>.",
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="NetworkPolicies of the children.",
+        json_schema_extra={"default": {}},
+    )
 
     @property
     def disaggregated(self) -> bool:
         return self.disaggregation is not None
+
+    def host_volume_types(self) -> list[str]:
+        """Host-reaching volume sources in model.volume (refused unless the operator allows)."""
+        return [t for t in HOST_VOLUME_TYPES if t in (self.model.volume or {})]
 
 
 class Condition(_Base):

@@ -121,6 +121,7 @@ def reconcile(
     previous_status: dict[str, Any] | None,
     default_image: str,
     logger: logging.Logger,
+    allow_host_volumes: bool = False,
 ) -> Result:
     started = time.monotonic()
     owner = Owner(name=name, namespace=namespace, uid=uid)
@@ -133,6 +134,24 @@ def reconcile(
             generation, str(exc), datetime.now(UTC), (previous_status or {}).get("conditions")
         )
         return Result(plan=Plan(), status=st, errors=[str(exc)], seconds=time.monotonic() - started)
+    if spec.host_volume_types() and not allow_host_volumes:
+        # The chart's ValidatingAdmissionPolicy refuses these at the API server; this holds
+        # where it is not installed. Nothing is applied for such a spec.
+        kinds = ", ".join(f"spec.model.volume.{t}" for t in spec.host_volume_types())
+        msg = (
+            f"{kinds}: host volumes are not allowed (they reach the node's files); set the "
+            "operator's ATOM_OPERATOR_ALLOW_HOST_VOLUMES=true (chart: admission.allowHostVolumes) "
+            "to allow them"
+        )
+        logger.warning(msg)
+        st = status.invalid_spec_status(
+            generation,
+            msg,
+            datetime.now(UTC),
+            (previous_status or {}).get("conditions"),
+            reason="HostVolumeForbidden",
+        )
+        return Result(plan=Plan(), status=st, errors=[], seconds=time.monotonic() - started)
     image = spec.image or default_image
     claim = builders.runtime.claim_name(owner, spec)
     snap = observe(kube, owner, claim)

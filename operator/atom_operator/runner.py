@@ -53,6 +53,7 @@ def run_one(
     status: Mapping[str, Any],
     default_image: str,
     logger: logging.Logger,
+    allow_host_volumes: bool = False,
 ) -> Outcome:
     """Reconcile one AtomDeployment. Kopf handlers and the background triggers of one object
     never interleave."""
@@ -68,6 +69,7 @@ def run_one(
             previous_status=dict(status),
             default_image=default_image,
             logger=logger,
+            allow_host_volumes=allow_host_volumes,
         )
         _last_done[uid] = time.monotonic()
         failures = _failures[uid] = _failures.get(uid, 0) + 1 if result.errors else 0

@@ -13,6 +13,7 @@ class Settings:
     log_level: str = "INFO"
     reconcile_interval: float = 30.0
     health_port: int = 8080
+    allow_host_volumes: bool = False  # hostPath, flexVolume, gitRepo in model.volume
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -30,4 +31,6 @@ class Settings:
             log_level=env.get("ATOM_OPERATOR_LOG_LEVEL", cls.log_level).upper(),
             reconcile_interval=interval,
             health_port=int(env.get("ATOM_OPERATOR_HEALTH_PORT", cls.health_port)),
+            allow_host_volumes=env.get("ATOM_OPERATOR_ALLOW_HOST_VOLUMES", "").lower()
+            in ("1", "true", "yes"),
         )

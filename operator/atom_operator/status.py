@@ -274,18 +274,26 @@ def compute_status(
 
 
 def invalid_spec_status(
-    generation: int, message: str, now: datetime, previous_conditions: list[dict[str, Any]] | None
+    generation: int,
+    message: str,
+    now: datetime,
+    previous_conditions: list[dict[str, Any]] | None,
+    *,
+    reason: str = "InvalidSpec",
 ) -> dict[str, Any]:
-    """Status for a spec the operator cannot read (a CRD older than the operator)."""
+    """Status for a spec the operator will not act on: one it cannot read (a CRD older than
+    the operator, reason InvalidSpec) or one its settings refuse (the message says why)."""
     previous = {c["type"]: c for c in previous_conditions or [] if "type" in c}
-    msg = f"spec does not match the operator's schema (is the CRD up to date?): {message}"[:1000]
+    if reason == "InvalidSpec":
+        message = f"spec does not match the operator's schema (is the CRD up to date?): {message}"
+    msg = message[:1000]
     return {
         "observedGeneration": generation,
         "phase": "Degraded",
         "conditions": [
-            _condition("Ready", "False", "InvalidSpec", msg, generation, now, previous),
-            _condition("Progressing", "False", "InvalidSpec", msg, generation, now, previous),
-            _condition("Degraded", "True", "InvalidSpec", msg, generation, now, previous),
+            _condition("Ready", "False", reason, msg, generation, now, previous),
+            _condition("Progressing", "False", reason, msg, generation, now, previous),
+            _condition("Degraded", "True", reason, msg, generation, now, previous),
         ],
     }
 

@@ -128,8 +128,12 @@ def test_cluster_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
     assert ("apps", "deployments", "create") in rules
     assert ("", "namespaces", "watch") in rules
     assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in rules
-    # Least privilege: the operator neither writes its users' specs wholesale nor reads secrets.
-    assert not any(resource == "secrets" for _, resource, _ in rules)
+    # Least privilege: the operator neither writes its users' specs wholesale nor reads
+    # secrets: it creates the internal-token Secret once and never reads it back.
+    assert [verb for _, resource, verb in rules if resource == "secrets"] == ["create"]
+    assert ("autoscaling", "horizontalpodautoscalers", "list") in rules
+    for resource in ("networkpolicies", "poddisruptionbudgets"):
+        assert any(r == resource and v == "delete" for _, r, v in rules), resource
     assert ("atom.dev", "atomdeployments", "update") not in rules
     assert not any("*" in item for rule in rules for item in rule)
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -188,6 +192,40 @@ def test_helm_test_hook(run_offline: Runner, helm_bin: str) -> None:
     (service,) = by_kind(docs, "Service")
     assert f"{service['metadata']['name']}.{NAMESPACE}.svc:8080/healthz" in str(pod["spec"])
     assert render(run_offline, helm_bin, "--set", "tests.enabled=false") != docs
+
+
+def test_no_object_repeats_a_label_key(run_offline: Runner, helm_bin: str) -> None:
+    """kubeconform -strict and kustomize refuse a mapping with a key given twice; yaml.safe_load
+    keeps the last, so read the rendered text itself."""
+    cmd = [helm_bin, "template", RELEASE, str(CHART), "-n", NAMESPACE]
+    out = run_offline([*cmd, "--kube-version", kube_version()]).stdout
+    for doc in out.split("\n---"):
+        lines = doc.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != "labels:":
+                continue
+            indent = len(line) - len(line.lstrip()) + 2
+            keys = []
+            for nxt in lines[i + 1 :]:
+                if len(nxt) - len(nxt.lstrip()) != indent or not nxt.strip():
+                    break
+                keys.append(nxt.split(":")[0].strip())
+            assert len(keys) == len(set(keys)), f"duplicate label in:\n{doc[:400]}"
+
+
+def test_host_volume_policy_on_by_default(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    (policy,) = by_kind(docs, "ValidatingAdmissionPolicy")
+    (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    env = {
+        e["name"]: e["value"]
+        for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["ATOM_OPERATOR_ALLOW_HOST_VOLUMES"] == "false"
+    allowed = render(run_offline, helm_bin, "--set", "admission.allowHostVolumes=true")
+    assert not by_kind(allowed, "ValidatingAdmissionPolicy")
 
 
 BAD_VALUES = {

@@ -13,6 +13,7 @@ from typing import Any
 from atom_operator import naming, runtime_args
 from atom_operator.builders.cache import build_pvc, build_warmup_job
 from atom_operator.builders.common import Owner
+from atom_operator.builders.policy import build_disruption_budgets, build_network_policies
 from atom_operator.builders.router import build_router_deployment, router_args
 from atom_operator.builders.runtime import (
     build_config_map,
@@ -22,6 +23,7 @@ from atom_operator.builders.runtime import (
     claim_name,
     pod_template,
 )
+from atom_operator.builders.secret import token_secret_name
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot, deployment_complete, job_state, router_revision
 
@@ -107,6 +109,10 @@ def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot)
         router = _plan_disaggregated(out, owner, spec, image, templates, warm, observed)
     out.add(build_endpoint_service(owner, spec))
     out.add(build_config_map(owner, spec, image, keys, rev, router))
+    for obj in build_network_policies(owner, spec) + build_disruption_budgets(owner, spec):
+        out.add(obj)
+    if spec.disaggregated:
+        out.token_secret = token_secret_name(owner.name)
     return out
 
 
