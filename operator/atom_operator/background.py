@@ -19,6 +19,7 @@ from typing import Any
 
 from atom_operator import models
 from atom_operator.kube import Kube
+from atom_operator.leader import Leadership
 from atom_operator.runner import run_one, seconds_since_reconcile
 
 COALESCE_S = 0.5
@@ -84,12 +85,14 @@ class Background:
         default_image: str,
         logger: logging.Logger,
         allow_host_volumes: bool = False,
+        leader: Leadership | None = None,
     ) -> None:
         self.kube = kube
         self.namespaces = namespaces
         self.interval = interval
         self.default_image = default_image
         self.allow_host_volumes = allow_host_volumes
+        self.leader = leader  # None: always act
         self.logger = logger
         self.requeue = Requeue()
         self.stop = threading.Event()
@@ -107,9 +110,13 @@ class Background:
         for pool in (self.event_pool, self.resync_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def leading(self) -> bool:
+        return self.leader is None or self.leader.leading
+
     def reconcile_body(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
-        if meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp") or not self.leading:
             return
         try:
             outcome = run_one(
@@ -157,14 +164,30 @@ class Background:
 
             self._map(self.event_pool, fetch_and_reconcile, keys)
 
+    def _list_all(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        base = f"/apis/{models.GROUP}/{models.VERSION}"
+        paths = [f"{base}/namespaces/{ns}/{models.PLURAL}" for ns in self.namespaces]
+        for path in paths or [f"{base}/{models.PLURAL}"]:
+            items += self.kube.request("GET", path).get("items", [])
+        return items
+
+    def resync_now(self) -> None:
+        """Requeue every AtomDeployment (on becoming the leader)."""
+        try:
+            for obj in self._list_all():
+                self.requeue.add(obj["metadata"]["namespace"], obj["metadata"]["name"])
+        except Exception:
+            self.logger.exception("listing AtomDeployments failed")
+            if not self.stop.is_set():
+                threading.Timer(1.0, self.resync_now).start()
+
     def _resync_loop(self) -> None:
         while not self.stop.wait(self.interval):
+            if not self.leading:
+                continue
             try:
-                items: list[dict[str, Any]] = []
-                base = f"/apis/{models.GROUP}/{models.VERSION}"
-                paths = [f"{base}/namespaces/{ns}/{models.PLURAL}" for ns in self.namespaces]
-                for path in paths or [f"{base}/{models.PLURAL}"]:
-                    items += self.kube.request("GET", path).get("items", [])
+                items = self._list_all()
                 # Objects an event reconciled within the interval are fresh already.
                 stale = [
                     o

@@ -17,6 +17,7 @@ import kopf
 from atom_operator import models, naming
 from atom_operator.background import Background
 from atom_operator.kube import Kube
+from atom_operator.leader import AlwaysLeader, LeaderElector
 from atom_operator.runner import latency_summary, run_one
 from atom_operator.settings import Settings
 
@@ -60,6 +61,21 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     settings.execution.max_workers = 16
     kube = Kube.from_environment()
     _state["kube"] = kube
+    if SETTINGS.leader_election:
+        leader: LeaderElector | AlwaysLeader = LeaderElector(
+            kube,
+            namespace=SETTINGS.lease_namespace,
+            name=SETTINGS.lease_name,
+            identity=SETTINGS.identity,
+            lease_s=SETTINGS.lease_seconds,
+            renew_deadline_s=SETTINGS.lease_seconds * 2 / 3,
+            # Handlers skipped while standing by: the new leader reconciles everything.
+            on_elected=lambda: _state["background"].resync_now(),
+            logger=logger,
+        )
+    else:
+        leader = AlwaysLeader()
+    _state["leader"] = leader
     _state["background"] = bg = Background(
         kube,
         namespaces=SETTINGS.namespaces,
@@ -67,8 +83,10 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
         default_image=SETTINGS.default_image,
         logger=logger,
         allow_host_volumes=SETTINGS.allow_host_volumes,
+        leader=leader,
     )
     bg.start()
+    leader.start()
     logger.info(
         "atom-operator: resync every %ss, default image %s",
         SETTINGS.reconcile_interval,
@@ -78,6 +96,8 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
 
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
+    if "leader" in _state:
+        _state["leader"].release()
     if "background" in _state:
         _state["background"].shutdown()
 
@@ -93,6 +113,8 @@ def on_change(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
+    if not _state["leader"].leading:
+        return  # another replica acts; this one reconciles everything once elected
     outcome = run_one(
         _state["kube"],
         meta=meta,

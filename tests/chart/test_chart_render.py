@@ -26,6 +26,27 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def watch_roles(docs: list[dict[str, Any]], kind: str = "Role") -> list[dict[str, Any]]:
+    """Roles (or RoleBindings) on watched namespaces, not the leader-election one."""
+    return [
+        d for d in by_kind(docs, kind) if not d["metadata"]["name"].endswith("-leader-election")
+    ]
+
+
+def test_leader_election_rbac_in_the_release_namespace(run_offline: Runner, helm_bin: str) -> None:
+    for scope in ("cluster", "namespaced"):
+        docs = render(run_offline, helm_bin, "--set", f"scope={scope}")
+        (role,) = [r for r in by_kind(docs, "Role") if r not in watch_roles(docs)]
+        assert role["metadata"]["namespace"] == NAMESPACE
+        assert rules_of(role) == {
+            ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")
+        }
+
+
 def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (deployment,) = by_kind(docs, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -60,7 +81,19 @@ def test_operator_pod_is_locked_down(run_offline: Runner, helm_bin: str) -> None
     docs = render(run_offline, helm_bin)
     (deployment,) = by_kind(docs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
-    assert deployment["spec"]["replicas"] == 1  # Kopf standalone: one handler of each event
+    # Two replicas electing a leader on a Lease, a budget that keeps one through a drain.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels(deployment).items()
+    env = {e["name"]: e for e in operator_container(docs)["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["ATOM_OPERATOR_LEASE_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    single = render(run_offline, helm_bin, "--set", "operator.replicas=1")
+    assert not by_kind(single, "PodDisruptionBudget")
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
@@ -122,7 +155,7 @@ def test_cluster_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
     docs = render(run_offline, helm_bin)
     (role,) = by_kind(docs, "ClusterRole")
     (binding,) = by_kind(docs, "ClusterRoleBinding")
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    assert not watch_roles(docs) and not watch_roles(docs, "RoleBinding")
     rules = rules_of(role)
     assert ("atom.dev", "atomdeployments/status", "patch") in rules
     assert ("apps", "deployments", "create") in rules
@@ -149,9 +182,9 @@ def test_namespaced_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
         "--set",
         "watchNamespaces={team-a,team-b}",
     )
-    roles = by_kind(docs, "Role")
+    roles = watch_roles(docs)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == [
+    assert sorted(b["metadata"]["namespace"] for b in watch_roles(docs, "RoleBinding")) == [
         "team-a",
         "team-b",
     ]
@@ -172,7 +205,7 @@ def test_namespaced_scope_defaults_to_the_release_namespace(
     run_offline: Runner, helm_bin: str
 ) -> None:
     docs = render(run_offline, helm_bin, "--set", "scope=namespaced")
-    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == [NAMESPACE]
+    assert [r["metadata"]["namespace"] for r in watch_roles(docs)] == [NAMESPACE]
     assert env_of(operator_container(docs))["ATOM_OPERATOR_NAMESPACES"] == NAMESPACE
 
 
@@ -219,11 +252,7 @@ def test_host_volume_policy_on_by_default(run_offline: Runner, helm_bin: str) ->
     (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
-    env = {
-        e["name"]: e["value"]
-        for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    assert env["ATOM_OPERATOR_ALLOW_HOST_VOLUMES"] == "false"
+    assert env_of(operator_container(docs))["ATOM_OPERATOR_ALLOW_HOST_VOLUMES"] == "false"
     allowed = render(run_offline, helm_bin, "--set", "admission.allowHostVolumes=true")
     assert not by_kind(allowed, "ValidatingAdmissionPolicy")
 
