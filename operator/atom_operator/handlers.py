@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from atom_operator import models, naming
+from atom_operator import metrics, models, naming
 from atom_operator.background import Background
 from atom_operator.kube import Kube
 from atom_operator.leader import AlwaysLeader, LeaderElector
@@ -87,6 +87,11 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     )
     bg.start()
     leader.start()
+    if SETTINGS.metrics_port:
+        try:
+            _state["metrics"] = metrics.serve(SETTINGS.metrics_port, lambda: leader.leading)
+        except OSError as exc:  # a port in use must not stop the operator
+            logger.warning("metrics on :%s not served: %s", SETTINGS.metrics_port, exc)
     logger.info(
         "atom-operator: resync every %ss, default image %s",
         SETTINGS.reconcile_interval,
@@ -100,6 +105,8 @@ def shutdown(**_: Any) -> None:
         _state["leader"].release()
     if "background" in _state:
         _state["background"].shutdown()
+    if "metrics" in _state:
+        _state["metrics"].shutdown()
 
 
 @kopf.on.create(*RESOURCE, backoff=5)

@@ -31,6 +31,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
     "AtomDeployment": ("/apis/atom.dev/v1alpha1", "atomdeployments"),
 }
 

@@ -338,6 +338,23 @@ class NetworkPolicySpec(_Base):
     )
 
 
+class MonitoringSpec(_Base):
+    """A Prometheus Operator PodMonitor for the runtime and router pods' /metrics."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Render a PodMonitor (monitoring.coreos.com/v1); when that CRD is not "
+        "installed the MonitoringReady condition says so.",
+    )
+    interval: str = Field(
+        default="30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval."
+    )
+    labels: dict[str, str] | None = Field(
+        default=None,
+        description="Extra labels on the PodMonitor (what a Prometheus' podMonitorSelector matches).",
+    )
+
+
 class AtomDeploymentSpec(_Base):
     """Desired state of an ATOM model server."""
 
@@ -437,6 +454,11 @@ class AtomDeploymentSpec(_Base):
         description="NetworkPolicies of the children.",
         json_schema_extra={"default": {}},
     )
+    monitoring: MonitoringSpec = Field(
+        default_factory=MonitoringSpec,
+        description="Prometheus scraping (opt-in).",
+        json_schema_extra={"default": {}},
+    )
 
     @property
     def disaggregated(self) -> bool:
@@ -450,7 +472,9 @@ class AtomDeploymentSpec(_Base):
 class Condition(_Base):
     """A standard condition."""
 
-    type: str = Field(description="Ready, Progressing, Degraded or CompileCacheReady.")
+    type: str = Field(
+        description="Ready, Progressing, Degraded, CompileCacheReady or MonitoringReady."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable detail.")

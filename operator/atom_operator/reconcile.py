@@ -39,6 +39,7 @@ class Result:
     deleted: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    monitoring_unavailable: bool = False
 
 
 def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
@@ -62,14 +63,16 @@ def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
         disruption_budgets=owned(kube.list("PodDisruptionBudget", ns, selector)),
         network_policies=owned(kube.list("NetworkPolicy", ns, selector)),
         pvc=kube.get("PersistentVolumeClaim", ns, claim) if claim else None,
-        autoscalers=_autoscalers(kube, ns),
+        pod_monitors=owned(_optional_list(kube, "PodMonitor", ns, selector)),
+        autoscalers=_optional_list(kube, "HorizontalPodAutoscaler", ns, ""),
     )
 
 
-def _autoscalers(kube: Kube, namespace: str) -> list[dict[str, Any]]:
-    """HPAs of the namespace (to spot one aimed at a child); none when RBAC denies the list."""
+def _optional_list(kube: Kube, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Kinds the cluster may not serve (no Prometheus Operator) or RBAC may not grant (an
+    older chart): none of them, rather than a failed reconcile."""
     try:
-        return kube.list("HorizontalPodAutoscaler", namespace, "")
+        return kube.list(kind, namespace, selector)
     except ApiError as exc:
         if exc.status in (403, 404):
             return []
@@ -173,6 +176,10 @@ def reconcile(
             APPLIED.record(obj, kube.apply(obj))
             result.applied += 1
         except ApiError as exc:
+            if obj["kind"] == "PodMonitor" and exc.status == 404:
+                # The PodMonitor CRD is not installed: a condition says so; not a failure.
+                result.monitoring_unavailable = True
+                continue
             # One refused child (say, a PVC that cannot shrink) must not block the others.
             msg = f"{obj['kind']} {obj['metadata']['name']}: {exc.message}"
             logger.warning("apply failed: %s", msg)
@@ -198,6 +205,7 @@ def reconcile(
         now=datetime.now(UTC),
         previous_conditions=(previous_status or {}).get("conditions"),
         apply_errors=result.errors,
+        monitoring_unavailable=result.monitoring_unavailable,
     )
     post_events(kube, owner, previous_status, result.status, logger)
     result.seconds = time.monotonic() - started

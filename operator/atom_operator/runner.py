@@ -19,6 +19,7 @@ _locks: dict[str, threading.Lock] = {}
 _last_done: dict[str, float] = {}  # uid -> monotonic time of the last finished reconcile
 _locks_guard = threading.Lock()
 _failures: dict[str, int] = {}  # uid -> consecutive reconciles with a failed apply
+TOTALS = {"reconciles": 0, "failed_reconciles": 0}  # since start (the /metrics counters)
 RETRY_BASE_S = 1.0
 RETRY_MAX_S = 16.0
 
@@ -73,6 +74,9 @@ def run_one(
         )
         _last_done[uid] = time.monotonic()
         failures = _failures[uid] = _failures.get(uid, 0) + 1 if result.errors else 0
+    with _locks_guard:
+        TOTALS["reconciles"] += 1
+        TOTALS["failed_reconciles"] += bool(result.errors)
     LATENCIES.append(result.seconds)
     return Outcome(status_patch(dict(status), result.status), retry_delay(failures))
 

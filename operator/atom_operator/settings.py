@@ -17,6 +17,7 @@ class Settings:
     log_level: str = "INFO"
     reconcile_interval: float = 30.0
     health_port: int = 8080
+    metrics_port: int = 8081  # 0: no /metrics endpoint
     allow_host_volumes: bool = False  # hostPath, flexVolume, gitRepo in model.volume
     leader_election: bool = True
     lease_namespace: str = "default"
@@ -40,6 +41,7 @@ class Settings:
             log_level=env.get("ATOM_OPERATOR_LOG_LEVEL", cls.log_level).upper(),
             reconcile_interval=interval,
             health_port=int(env.get("ATOM_OPERATOR_HEALTH_PORT", cls.health_port)),
+            metrics_port=int(env.get("ATOM_OPERATOR_METRICS_PORT", cls.metrics_port)),
             allow_host_volumes=_flag(env.get("ATOM_OPERATOR_ALLOW_HOST_VOLUMES"), False),
             leader_election=_flag(env.get("ATOM_OPERATOR_LEADER_ELECTION"), True),
             lease_namespace=env.get("ATOM_OPERATOR_LEASE_NAMESPACE")

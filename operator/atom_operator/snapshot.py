@@ -17,6 +17,7 @@ class Snapshot:
     config_maps: list[dict[str, Any]] = field(default_factory=list)
     disruption_budgets: list[dict[str, Any]] = field(default_factory=list)
     network_policies: list[dict[str, Any]] = field(default_factory=list)
+    pod_monitors: list[dict[str, Any]] = field(default_factory=list)
     pvc: dict[str, Any] | None = None
     autoscalers: list[dict[str, Any]] = field(default_factory=list)  # HPAs of the namespace
 
@@ -33,6 +34,7 @@ class Snapshot:
             ("Job", self.jobs),
             ("PodDisruptionBudget", self.disruption_budgets),
             ("NetworkPolicy", self.network_policies),
+            ("PodMonitor", self.pod_monitors),
         ]
 
     def by_key(self) -> dict[tuple[str, str], dict[str, Any]]:

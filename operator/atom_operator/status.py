@@ -131,6 +131,17 @@ def _condition(
     }
 
 
+def monitoring_condition(unavailable: bool) -> tuple[str, str, str]:
+    if unavailable:
+        return (
+            "False",
+            "PodMonitorCRDMissing",
+            "monitoring.coreos.com/v1 PodMonitor is not served by this cluster: install the "
+            "Prometheus Operator's CRDs (pods still serve /metrics on port 8000)",
+        )
+    return "True", "PodMonitorApplied", "a PodMonitor selects the runtime and router pods"
+
+
 def compute_status(
     *,
     name: str,
@@ -141,6 +152,7 @@ def compute_status(
     now: datetime,
     previous_conditions: list[dict[str, Any]] | None = None,
     apply_errors: list[str] | None = None,
+    monitoring_unavailable: bool = False,
 ) -> dict[str, Any]:
     """The whole status stanza (camelCase), ready for the status subresource."""
     rev = plan.revision
@@ -230,6 +242,16 @@ def compute_status(
             "CompileCacheReady", cache_status, cache_reason, cache_msg, generation, now, previous
         ),
     ]
+    if spec.monitoring.enabled:
+        conditions.append(
+            _condition(
+                "MonitoringReady",
+                *monitoring_condition(monitoring_unavailable),
+                generation,
+                now,
+                previous,
+            )
+        )
     if found:
         phase = "Degraded"
     elif all_ready:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def test_operator_pod_is_locked_down(run_offline: Runner, helm_bin: str) -> None
     assert sc["capabilities"]["drop"] == ["ALL"]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz"
-    (port,) = container["ports"]
+    (port,) = [p for p in container["ports"] if p["name"] == "health"]
     assert (
         port["containerPort"] == 8080
         and port["name"] == container["livenessProbe"]["httpGet"]["port"]
@@ -299,3 +300,28 @@ def test_watch_namespaces_need_namespaced_scope(run_offline: Runner, helm_bin: s
     )
     assert result.returncode != 0
     assert "watchNamespaces is only used with scope: namespaced" in result.stderr
+
+
+def test_monitoring_is_opt_in(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    assert not by_kind(docs, "PodMonitor")
+    assert not [
+        d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    ports = {p["name"]: p["containerPort"] for p in operator_container(docs)["ports"]}
+    assert ports["metrics"] == 8081
+    on = render(
+        run_offline,
+        helm_bin,
+        "--set", "monitoring.podMonitor.enabled=true",
+        "--set", "monitoring.podMonitor.labels.release=kp",
+        "--set", "monitoring.grafanaDashboard.enabled=true",
+    )  # fmt: skip
+    (mon,) = by_kind(on, "PodMonitor")
+    assert mon["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert mon["metadata"]["labels"]["release"] == "kp"
+    (dashboard,) = [
+        d for d in by_kind(on, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["atom-runtime.json"])["uid"] == "atom-runtime"

@@ -91,6 +91,7 @@ class OperatorProcess:
             "ATOM_OPERATOR_NAMESPACES": namespace,
             "ATOM_OPERATOR_RECONCILE_INTERVAL": "2",
             "ATOM_OPERATOR_HEALTH_PORT": str(self.port),
+            "ATOM_OPERATOR_METRICS_PORT": str(free_port()),
             "ATOM_OPERATOR_DEFAULT_IMAGE": "atom-runtime:e2e",
             "ATOM_OPERATOR_LOG_LEVEL": "INFO",
         }

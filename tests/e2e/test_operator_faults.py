@@ -506,3 +506,55 @@ def test_two_replicas_one_leads_and_the_other_takes_over(kubectl, kube, env, tmp
         kubectl("delete", "atomd", "ha", "-n", ns, "--wait=true", "--timeout=30s", check=False)
         for op in ops:
             op.stop()
+
+
+POD_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def test_monitoring_without_the_crd_is_a_condition_then_a_pod_monitor(
+    operator, kubectl, kube
+) -> None:
+    kubectl.apply(atomd("mon", NS, _spec(monitoring={"enabled": True})))
+    obj = _wait_ready(kube, "mon")  # no crash loop, no Degraded
+    mon = condition(obj, "MonitoringReady")
+    assert mon["status"] == "False" and mon["reason"] == "PodMonitorCRDMissing", mon
+    kubectl.apply(POD_MONITOR_CRD)
+    try:
+        wait_for(
+            lambda: kubectl("get", "podmonitors", "-n", NS, check=False).returncode == 0,
+            timeout=30,
+            what="PodMonitor served",
+        )
+        kubectl("annotate", "atomd", "mon", "-n", NS, "poke=1", "--overwrite")
+        wait_for(
+            lambda: condition(_obj(kube, "mon"), "MonitoringReady").get("status") == "True",
+            timeout=30,
+            what="MonitoringReady",
+        )
+        out = kubectl("get", "podmonitors", "mon-metrics", "-n", NS, "-o", "json").stdout
+        assert json.loads(out)["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+    finally:
+        _delete(kubectl, "mon")
+        kubectl("delete", "crd", POD_MONITOR_CRD["metadata"]["name"], "--wait=false", check=False)

@@ -80,6 +80,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# A PodMonitor per AtomDeployment with spec.monitoring.enabled (when the CRD is installed).
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
 # The internal-token Secret is created once and never read back: create only.
 - apiGroups: [""]
   resources: ["secrets"]

@@ -13,6 +13,7 @@ from typing import Any
 from atom_operator import naming, runtime_args
 from atom_operator.builders.cache import build_pvc, build_warmup_job
 from atom_operator.builders.common import Owner
+from atom_operator.builders.monitoring import build_pod_monitor
 from atom_operator.builders.policy import build_disruption_budgets, build_network_policies
 from atom_operator.builders.router import build_router_deployment, router_args
 from atom_operator.builders.runtime import (
@@ -111,6 +112,7 @@ def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot)
     out.add(build_config_map(owner, spec, image, keys, rev, router))
     for obj in build_network_policies(owner, spec) + build_disruption_budgets(owner, spec):
         out.add(obj)
+    out.add(build_pod_monitor(owner, spec))
     if spec.disaggregated:
         out.token_secret = token_secret_name(owner.name)
     return out
