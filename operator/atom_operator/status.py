@@ -131,7 +131,7 @@ def _condition(
     }
 
 
-def monitoring_condition(unavailable: bool) -> tuple[str, str, str]:
+def monitoring_condition(spec: AtomDeploymentSpec, unavailable: bool) -> tuple[str, str, str]:
     if unavailable:
         return (
             "False",
@@ -139,7 +139,14 @@ def monitoring_condition(unavailable: bool) -> tuple[str, str, str]:
             "monitoring.coreos.com/v1 PodMonitor is not served by this cluster: install the "
             "Prometheus Operator's CRDs (pods still serve /metrics on port 8000)",
         )
-    return "True", "PodMonitorApplied", "a PodMonitor selects the runtime and router pods"
+    msg = "a PodMonitor selects the runtime and router pods"
+    np = spec.network_policy
+    if spec.disaggregated and np.enabled and not np.metrics_from:
+        msg += (
+            "; prefill and decode pods admit HTTP only from the router: set "
+            "networkPolicy.metricsFrom to let Prometheus scrape them"
+        )
+    return "True", "PodMonitorApplied", msg
 
 
 def compute_status(
@@ -246,7 +253,7 @@ def compute_status(
         conditions.append(
             _condition(
                 "MonitoringReady",
-                *monitoring_condition(monitoring_unavailable),
+                *monitoring_condition(spec, monitoring_unavailable),
                 generation,
                 now,
                 previous,
