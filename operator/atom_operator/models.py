@@ -83,7 +83,8 @@ def size_rules() -> list[dict[str, str]]:
 
 
 def root_rules() -> list[dict[str, str]]:
-    """CEL on the whole object (only there can a rule read metadata.name)."""
+    """CEL on the whole object (only there can a rule read metadata.name). No fieldPath: the
+    schema may not describe metadata, so the message names the field itself."""
     why = (
         "it names the endpoint Service and is the app.kubernetes.io/instance label of every "
         "child, both DNS-1035 labels"
@@ -92,14 +93,12 @@ def root_rules() -> list[dict[str, str]]:
         {
             "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
             "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: {why}",
-            "fieldPath": ".metadata.name",
             "reason": "FieldValueTooLong",
         },
         {
             "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
             "message": "metadata.name must be lowercase letters, digits and '-', start with a "
             f"letter and end with a letter or digit (no dots): {why}",
-            "fieldPath": ".metadata.name",
             "reason": "FieldValueInvalid",
         },
     ]

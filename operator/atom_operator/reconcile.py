@@ -93,7 +93,11 @@ def ensure_token_secret(kube: Kube, owner: Owner, name: str) -> None:
 
 
 def post_events(
-    kube: Kube, owner: Owner, previous: dict[str, Any] | None, current: dict[str, Any], logger
+    kube: Kube,
+    owner: Owner,
+    previous: dict[str, Any] | None,
+    current: dict[str, Any],
+    logger: logging.Logger,
 ) -> None:
     involved = {
         "apiVersion": f"{models.GROUP}/{models.VERSION}",
