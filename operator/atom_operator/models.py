@@ -93,7 +93,7 @@ def root_rules() -> list[dict[str, str]]:
         {
             "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
             "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: {why}",
-            "reason": "FieldValueTooLong",
+            "reason": "FieldValueInvalid",
         },
         {
             "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
