@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,13 +196,21 @@ def _quota(kubectl: Kubectl, kube: Kube, name: str, hard: dict[str, str]) -> Non
 
 
 def _degraded_under_quota(
-    kubectl: Kubectl, kube: Kube, name: str, hard: dict[str, str], reason: str
+    kubectl: Kubectl,
+    kube: Kube,
+    name: str,
+    hard: dict[str, str],
+    reason: str,
+    settled: Callable[[dict[str, Any]], bool] = lambda _: True,
 ) -> str:
-    """Create `name` under a quota, wait for Degraded `reason`, lift the quota; the message."""
+    """Create `name` under a quota, wait for Degraded `reason` (and `settled`), lift the
+    quota; Degraded's message."""
     _quota(kubectl, kube, f"{name}-quota", hard)
     try:
         kubectl.apply(atomd(name, NS, _spec()))
-        return condition(_wait_degraded(kube, name, reason), "Degraded")["message"]
+        msg = condition(_wait_degraded(kube, name, reason), "Degraded")["message"]
+        wait_for(lambda: settled(_obj(kube, name)), timeout=TIMEOUT, what=f"{name} settled")
+        return msg
     finally:
         kubectl("delete", "resourcequota", f"{name}-quota", "-n", NS)
 
@@ -281,8 +289,14 @@ def test_cache_claim_deleted_in_use_rolls_without_it_and_comes_back(
 
 
 def test_failed_apply_is_retried_with_backoff_not_at_the_resync(operator, kubectl, kube) -> None:
-    msg = _degraded_under_quota(kubectl, kube, "retry", {"services": "0"}, "ApplyFailed")
+    def pods_ready(obj: dict[str, Any]) -> bool:  # no pod event left to trigger a reconcile
+        return obj["status"]["roles"]["unified"]["readyReplicas"] == 1
+
+    msg = _degraded_under_quota(
+        kubectl, kube, "retry", {"services": "0"}, "ApplyFailed", settled=pods_ready
+    )
     assert "Service retry" in msg
+    time.sleep(2)
     lifted = time.monotonic()
     # nothing else happens to this object: only the operator's own retry can create the Service
     wait_for(lambda: kube.get("Service", NS, "retry"), timeout=40, what="Service created")
@@ -318,7 +332,7 @@ def test_hpa_on_a_child_is_reported_and_foreign_fields_are_kept(operator, kubect
             }
         },
     }
-    kubectl.apply(foreign, "--field-manager=other-tool")
+    # the label first: a Deployment no longer labelled ours is seen through its pods' events
     kubectl(
         "label",
         "deployment",
@@ -328,6 +342,7 @@ def test_hpa_on_a_child_is_reported_and_foreign_fields_are_kept(operator, kubect
         "app.kubernetes.io/managed-by=someone",
         "--overwrite",
     )
+    kubectl.apply(foreign, "--field-manager=other-tool")
 
     def settled() -> bool:
         dep = kube.get("Deployment", NS, "scaled-unified")
