@@ -9,6 +9,7 @@ retries, never by the periodic pass.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -464,10 +465,14 @@ def test_restricted_pod_security_accepts_every_examples_pods(operator, kubectl) 
 
 
 def _reconciles(op: OperatorProcess) -> int:
+    """From the operator's own /metrics (Kopf caches its /healthz probes for a minute)."""
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as r:
-        return int(json.loads(r.read())["reconcile"]["count"])
+    url = f"http://127.0.0.1:{op.env['ATOM_OPERATOR_METRICS_PORT']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    (value,) = re.findall(r"^atom_operator_reconciles_total (\S+)$", text, re.M)
+    return int(float(value))
 
 
 def test_two_replicas_one_leads_and_the_other_takes_over(kubectl, kube, env, tmp_path) -> None:
