@@ -127,12 +127,16 @@ def test_install_brings_the_operator_to_ready(run_cluster: Runner, crd_was_absen
     if crd_was_absent:
         # Helm's crds/ folder is applied as is, outside the release: no release annotation.
         assert "meta.helm.sh/release-name" not in crd["metadata"].get("annotations", {})
-    (pod,) = kubectl_json(
+    pods = kubectl_json(
         run_cluster, "get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/instance=" + RELEASE
     )["items"]
-    ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-    assert ready["Ready"] == "True"
-    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert len(pods) == 2  # two replicas electing a leader
+    for pod in pods:
+        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+        assert ready["Ready"] == "True"
+        assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    pdb = kubectl_json(run_cluster, "get", "pdb", DEPLOYMENT, "-n", NAMESPACE)
+    assert pdb["spec"]["minAvailable"] == 1
 
 
 def test_rbac_is_least_privilege(run_cluster: Runner) -> None:
