@@ -40,7 +40,7 @@ def _strict(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: _strict(v) for k, v in node.items()}
-    if "$ref" in out:
+    if isinstance(out.get("$ref"), str):  # JSONSchemaProps also has a *property* named $ref
         out["$ref"] = "_definitions.json" + out["$ref"]
     if out.pop("format", None) == "int-or-string":
         out.pop("type", None)
@@ -54,8 +54,13 @@ def _strict(node: Any) -> Any:
     return out
 
 
+# v2 says "string" for a Quantity; the API server takes a number too (`nvidia.com/gpu: 1`).
+QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+
+
 def write_schemas(openapi: dict[str, Any], out: Path) -> int:
     defs = {name: _strict(d) for name, d in openapi["definitions"].items()}
+    defs[QUANTITY] = {"oneOf": [{"type": "string"}, {"type": "number"}]}
     (out / "_definitions.json").write_text(json.dumps({"definitions": defs}))
     count = 0
     for name, definition in openapi["definitions"].items():
