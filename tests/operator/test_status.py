@@ -241,3 +241,29 @@ def test_unreadable_spec_reports_invalid_spec_and_touches_nothing() -> None:
         cond(st, "Degraded")["reason"] == "InvalidSpec"
         and "level" in cond(st, "Degraded")["message"]
     )
+
+
+def test_host_volume_refused_by_the_operator_unless_allowed() -> None:
+    import logging
+
+    from atom_operator.reconcile import reconcile
+
+    class NoApi:  # a refused spec reaches no API
+        def __getattr__(self, name: str):
+            raise AssertionError(f"API call {name} on a refused spec")
+
+    body = {"model": {"name": "x", "volume": {"hostPath": {"path": "/"}}}}
+    result = reconcile(
+        NoApi(),  # type: ignore[arg-type]
+        name="demo",
+        namespace="serving",
+        uid="u",
+        generation=2,
+        spec_body=body,
+        previous_status=None,
+        default_image="img",
+        logger=logging.getLogger("t"),
+    )
+    d = cond(result.status, "Degraded")
+    assert d["reason"] == "HostVolumeForbidden" and "spec.model.volume.hostPath" in d["message"]
+    assert result.plan.apply == [] and not result.errors
