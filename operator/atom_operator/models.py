@@ -46,6 +46,12 @@ COMPILATION_PATHS = (
 _OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
 
 
+def _section(model: type, description: str) -> Any:
+    """A sub-object that is always present: defaulted to {} by the API server, so its own
+    field defaults apply too."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+
+
 def _opaque_object(description: str) -> Any:
     return Field(default=None, description=description, json_schema_extra=_OPAQUE)
 
@@ -297,9 +303,7 @@ class Disaggregation(_Base):
     decode: RoleSpec = Field(
         description="The decode role (graph mode defaults to FULL_DECODE_ONLY)."
     )
-    router: RouterSpec = Field(
-        default_factory=RouterSpec, description="The router.", json_schema_extra={"default": {}}
-    )
+    router: RouterSpec = _section(RouterSpec, "The router.")
 
 
 class SecretKeyRef(_Base):
@@ -378,19 +382,9 @@ class AtomDeploymentSpec(_Base):
         description="Runtime image (default: the operator's ATOM_OPERATOR_DEFAULT_IMAGE).",
     )
     model: ModelSource = Field(description="The model to serve.")
-    engine: EngineSpec = Field(
-        default_factory=EngineSpec, description="Engine limits.", json_schema_extra={"default": {}}
-    )
-    compilation: Compilation = Field(
-        default_factory=Compilation,
-        description="Compilation level and CUDA graph settings.",
-        json_schema_extra={"default": {}},
-    )
-    compile_cache: CompileCacheSpec = Field(
-        default_factory=CompileCacheSpec,
-        description="Compile-cache volume.",
-        json_schema_extra={"default": {}},
-    )
+    engine: EngineSpec = _section(EngineSpec, "Engine limits.")
+    compilation: Compilation = _section(Compilation, "Compilation level and CUDA graph settings.")
+    compile_cache: CompileCacheSpec = _section(CompileCacheSpec, "Compile-cache volume.")
     replicas: int | None = Field(
         default=None,
         ge=0,
@@ -448,16 +442,10 @@ class AtomDeploymentSpec(_Base):
         description="Secret key holding the API key: env ATOM_API_KEY of runtime and router "
         "pods; /v1 endpoints then require Authorization: Bearer <key>.",
     )
-    network_policy: NetworkPolicySpec = Field(
-        default_factory=NetworkPolicySpec,
-        description="NetworkPolicies of the children.",
-        json_schema_extra={"default": {}},
+    network_policy: NetworkPolicySpec = _section(
+        NetworkPolicySpec, "NetworkPolicies of the children."
     )
-    monitoring: MonitoringSpec = Field(
-        default_factory=MonitoringSpec,
-        description="Prometheus scraping (opt-in).",
-        json_schema_extra={"default": {}},
-    )
+    monitoring: MonitoringSpec = _section(MonitoringSpec, "Prometheus scraping (opt-in).")
 
     @property
     def disaggregated(self) -> bool:

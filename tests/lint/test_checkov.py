@@ -7,25 +7,15 @@ ATOM_CHECKOV to its binary or put it on PATH (`python -m venv v && v/bin/pip ins
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from rendered import tool, write_chart, write_children
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 SKIPS = yaml.safe_load((Path(__file__).parent / "checkov_skips.yaml").read_text())
-
-
-def _checkov() -> str:
-    found = os.environ.get("ATOM_CHECKOV") or shutil.which("checkov")
-    if not found:
-        pytest.skip("checkov is not installed (set ATOM_CHECKOV)")
-    return found
 
 
 def _skips(where: str) -> str:
@@ -48,40 +38,12 @@ def test_skip_list_explains_every_exclusion() -> None:
 
 
 def test_rendered_children_pass(tmp_path: Path) -> None:
-    checkov = _checkov()
-    sys.path.insert(0, str(ROOT / "tests" / "operator"))
-    from atomd_helpers import IMAGE, OWNER, SPECS, spec
-
-    from atom_operator import builders
-    from atom_operator.builders import Owner
-    from atom_operator.models import AtomDeploymentSpec
-    from atom_operator.snapshot import Snapshot
-
-    for name in SPECS:
-        objs = builders.plan(OWNER, spec(name), IMAGE, Snapshot()).apply
-        (tmp_path / f"golden-{name}.yaml").write_text(yaml.safe_dump_all(objs))
-    for path in sorted((ROOT / "examples").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == "AtomDeployment":
-                owner = Owner(doc["metadata"]["name"], "serving", "u")
-                parsed = AtomDeploymentSpec.model_validate(doc["spec"])
-                objs = builders.plan(owner, parsed, IMAGE, Snapshot()).apply
-                (tmp_path / f"example-{owner.name}.yaml").write_text(yaml.safe_dump_all(objs))
+    checkov = tool("checkov")
+    write_children(tmp_path)
     _run(checkov, tmp_path, "children")
 
 
 def test_chart_passes(tmp_path: Path) -> None:
-    checkov = _checkov()
-    sys.path.insert(0, str(ROOT / "tests" / "chart"))
-    from chartutil import CHART, find_helm, kube_version
-
-    helm = find_helm()
-    if helm is None:
-        pytest.skip("helm is not installed (run hack/controlplane install)")
-    out = subprocess.run(
-        [helm, "template", "atom", str(CHART), "-n", "atom-system", "--kube-version",
-         kube_version(), "--set", "monitoring.grafanaDashboard.enabled=true"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    (tmp_path / "chart.yaml").write_text(out)
+    checkov = tool("checkov")
+    write_chart(tmp_path, {"cluster": ["--set", "monitoring.grafanaDashboard.enabled=true"]})
     _run(checkov, tmp_path, "chart")

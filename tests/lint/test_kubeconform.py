@@ -9,27 +9,16 @@ the binary or put it on PATH.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from rendered import tool, write_chart, write_children
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 # kubeconform's template: one file per kind, group and version.
 LOCATION = "{{ .ResourceKind }}_{{ .Group }}_{{ .ResourceAPIVersion }}.json"
-
-
-def _kubeconform() -> str:
-    found = os.environ.get("ATOM_KUBECONFORM") or shutil.which("kubeconform")
-    if not found:
-        pytest.skip("kubeconform is not installed (set ATOM_KUBECONFORM)")
-    return found
 
 
 def _strict(node: Any) -> Any:
@@ -75,50 +64,10 @@ def write_schemas(openapi: dict[str, Any], out: Path) -> int:
     return count
 
 
-def _children(out: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "operator"))
-    from atomd_helpers import IMAGE, OWNER, SPECS, spec
-
-    from atom_operator import builders
-    from atom_operator.builders import Owner
-    from atom_operator.models import AtomDeploymentSpec
-    from atom_operator.snapshot import Snapshot
-
-    for name in SPECS:
-        objs = builders.plan(OWNER, spec(name), IMAGE, Snapshot()).apply
-        (out / f"golden-{name}.yaml").write_text(yaml.safe_dump_all(objs))
-    for path in sorted((ROOT / "examples").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == "AtomDeployment":
-                owner = Owner(doc["metadata"]["name"], "serving", "u")
-                parsed = AtomDeploymentSpec.model_validate(doc["spec"])
-                objs = builders.plan(owner, parsed, IMAGE, Snapshot()).apply
-                (out / f"example-{owner.name}.yaml").write_text(yaml.safe_dump_all(objs))
-
-
-def _chart(out: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "chart"))
-    from chartutil import CHART, find_helm, kube_version
-
-    helm = find_helm()
-    if helm is None:
-        pytest.skip("helm is not installed (run hack/controlplane install)")
-    for name, values in (
-        ("cluster", ["--set", "monitoring.grafanaDashboard.enabled=true"]),
-        ("namespaced", ["--set", "scope=namespaced", "--set", "watchNamespaces={a,b}"]),
-    ):
-        text = subprocess.run(
-            [helm, "template", "atom", str(CHART), "-n", "atom-system",
-             "--kube-version", kube_version(), *values],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        (out / f"chart-{name}.yaml").write_text(text)
-
-
 def test_children_and_chart_pass_strict_against_the_api_servers_schemas(
     cluster, tmp_path: Path
 ) -> None:
-    kubeconform = _kubeconform()
+    kubeconform = tool("kubeconform")
     from atom_operator.kube import Kube
 
     kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
@@ -127,8 +76,14 @@ def test_children_and_chart_pass_strict_against_the_api_servers_schemas(
     assert write_schemas(kube.request("GET", "/openapi/v2"), schemas) > 50
     manifests = tmp_path / "manifests"
     manifests.mkdir()
-    _children(manifests)
-    _chart(manifests)
+    write_children(manifests)
+    write_chart(
+        manifests,
+        {
+            "cluster": ["--set", "monitoring.grafanaDashboard.enabled=true"],
+            "namespaced": ["--set", "scope=namespaced", "--set", "watchNamespaces={a,b}"],
+        },
+    )
     proc = subprocess.run(
         [kubeconform, "-strict", "-summary", "-schema-location", str(schemas / LOCATION),
          str(manifests)],
