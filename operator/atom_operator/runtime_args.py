@@ -112,7 +112,8 @@ def render_args(
         args += ["--compile-cache-dir", cache_dir]
     args += ["--role", role]
     if role in (naming.PREFILL, naming.DECODE):
-        args += ["--kv-port", str(naming.KV_PORT)]
+        # $(POD_IP) is expanded by the kubelet from the env of the same name (downward API).
+        args += ["--kv-port", str(naming.KV_PORT), "--kv-host", "$(POD_IP)"]
     return args
 
 
