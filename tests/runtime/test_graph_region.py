@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.library import Library
 
-from atom.utils import region_graph as rg
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.cudagraph import region_graph as rg
 from atom.utils.counters import counters
-from atom.utils.custom_register import direct_register_custom_op
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,

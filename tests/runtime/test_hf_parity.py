@@ -18,7 +18,7 @@ from atom.config import CompilationConfig, Config  # noqa: E402
 from atom.engine import LLMEngine, SamplingParams  # noqa: E402
 from atom.engine.sequence import Sequence  # noqa: E402
 
-HAS_COMPILE = importlib.util.find_spec("atom.utils.backends") is not None
+HAS_COMPILE = importlib.util.find_spec("atom.compilation.backends") is not None
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -162,7 +162,7 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_COMPILE, reason="atom.utils.backends (piecewise compilation) not built yet")
+@pytest.mark.skipif(not HAS_COMPILE, reason="atom.compilation.backends (piecewise compilation) not built yet")
 def test_level3_matches_transformers(qwen3_checkpoint, tmp_path) -> None:
     """Piecewise Inductor compilation on the CPU (Qwen3 only: the richest shape, and compile
     time is the cost)."""

@@ -23,12 +23,12 @@ import torch
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import scatter_blocks
 from atom.engine.block_manager import BlockManager
+from atom.engine.model_runner import ModelRunner
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.engine.sampled_copy import SampledCopier, SampledCopy
 from atom.engine.sampler import Sampler, host_results
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence
-from atom.model_engine.model_runner import ModelRunner
 from atom.models.registry import load_model_config
 from atom.utils.counters import counters
 

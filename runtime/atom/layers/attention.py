@@ -17,12 +17,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.cudagraph.region_graph import eager_region
 from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
 from atom.layers.norm_linear import project
 from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from atom.utils.custom_register import direct_register_custom_op
 from atom.utils.forward_context import AttentionMetaData, get_forward_context
-from atom.utils.region_graph import eager_region
 
 
 class Attention(nn.Module):

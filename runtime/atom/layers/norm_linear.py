@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.compilation.custom_ops import direct_register_custom_op
 from atom.layers.rmsnorm import rms_norm
-from atom.utils.custom_register import direct_register_custom_op
 
 
 def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
