@@ -182,7 +182,8 @@ def test_frozen_gc_restores_state() -> None:
 
 
 def _engine(mode: CUDAGraphMode, sizes: list[int]):
-    from atom.cudagraph.region_graph import CpuOpRecorder
+    from cpu_recorder import CpuOpRecorder
+
     from atom.engine.llm_engine import LLMEngine
 
     cfg = Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
@@ -265,8 +266,8 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
     """Decode steps verifying a draft token (2 query rows per request) have their own buckets:
     request buckets (bs, 1) under FULL, token buckets of bs * 2 rows under TR_HYBRID."""
     import torch
+    from cpu_recorder import CpuOpRecorder
 
-    from atom.cudagraph.region_graph import CpuOpRecorder
     from atom.engine.llm_engine import LLMEngine
 
     cfg = Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",

@@ -21,13 +21,13 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
+from atom.cudagraph.pool import GRAPH_POOL, graph_pool
 from atom.utils.counters import counters
 from atom.utils.forward_context import get_forward_context
 
@@ -54,56 +54,6 @@ class SegmentRecorder(Protocol):
     def is_capturing(self) -> bool: ...
 
 
-_pool: Any = None
-_pool_live = 0  # graphs recorded into _pool that are still alive
-_pool_used = False
-
-
-def graph_pool() -> Any:
-    """The one memory pool every ReqGraph and TokenGraph records into.
-
-    Once every graph recorded into a pool is gone, the caching allocator no longer accepts
-    captures into it (it asserts use_count > 0): a new pool is started then, e.g. when a
-    re-capture drops the old recordings before recording new ones.
-    """
-    global _pool, _pool_live, _pool_used
-    if _pool is None or (_pool_used and _pool_live == 0):
-        _pool = torch.cuda.graph_pool_handle()
-        _pool_live, _pool_used = 0, False
-    return _pool
-
-
-def _track_graph(graph: Any, pool: Any) -> None:
-    """Count a graph holding the shared pool until it is garbage."""
-    global _pool_live, _pool_used
-    if pool != _pool:
-        return
-    try:
-        weakref.finalize(graph, _untrack_graph, pool)
-    except TypeError:  # not weak-referenceable: keep the pool for the process's lifetime
-        return
-    _pool_live += 1
-    _pool_used = True
-
-
-def _untrack_graph(pool: Any) -> None:
-    global _pool_live
-    if pool == _pool:
-        _pool_live -= 1
-
-
-_stream: Any = None
-
-
-def _capture_stream() -> Any:
-    """One side stream for every recording: per-stream library workspaces (cuBLAS) are then
-    allocated once, not once per recording."""
-    global _stream
-    if _stream is None:
-        _stream = torch.cuda.Stream()
-    return _stream
-
-
 class CudaSegmentRecorder:
     """Captures segments with torch.cuda.CUDAGraph on a side stream into graph_pool().
 
@@ -125,7 +75,7 @@ class CudaSegmentRecorder:
     def enter(self) -> None:
         torch.cuda.synchronize()
         if self._stream is None:
-            self._stream = _capture_stream()
+            self._stream = GRAPH_POOL.capture_stream()
         # The side stream must see everything queued on the current one (warm-up writes).
         self._stream.wait_stream(torch.cuda.current_stream())
         self._stream_ctx = torch.cuda.stream(self._stream)
@@ -135,7 +85,7 @@ class CudaSegmentRecorder:
         self._graph = torch.cuda.CUDAGraph()
         pool = self.pool if self.pool is not None else graph_pool()
         self._graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        _track_graph(self._graph, pool)
+        GRAPH_POOL.track(self._graph, pool)
 
     def end(self) -> Segment:
         graph, self._graph = self._graph, None
@@ -253,7 +203,15 @@ class _ActiveRecording:
         return out
 
 
-_active: _ActiveRecording | None = None
+class _InProgress:
+    """The process's recording in progress, if any: captures never nest, and an eager
+    region reached during one asks it whether to break the segment there."""
+
+    def __init__(self) -> None:
+        self.current: _ActiveRecording | None = None
+
+
+IN_PROGRESS = _InProgress()
 
 
 def _weak_alias(x: Any) -> Any:
@@ -275,7 +233,7 @@ def _weak_alias(x: Any) -> Any:
 
 
 def is_recording() -> bool:
-    return _active is not None
+    return IN_PROGRESS.current is not None
 
 
 def record(
@@ -292,13 +250,12 @@ def record(
     segment and the recording holds that view, so the pool block of the result is freed for
     the next (smaller) recording instead of each bucket keeping its own output alive.
     """
-    global _active
     recorder = recorder or CudaSegmentRecorder()
-    if _active is not None or recorder.is_capturing():
+    if IN_PROGRESS.current is not None or recorder.is_capturing():
         raise RuntimeError("nested graph recording refused: a recording is already in progress")
     state = _ActiveRecording(recorder, breakable)
     recorder.enter()
-    _active = state
+    IN_PROGRESS.current = state
     try:
         state.begin()
         out = fn(*inputs)
@@ -310,7 +267,7 @@ def record(
         if not breakable or state.inlined:
             state.rec.static_metadata = _tensor_fields(get_forward_context().attn_metadata)
     finally:
-        _active = None
+        IN_PROGRESS.current = None
         recorder.exit()
     rec = state.rec
     rec.static_inputs = tuple(inputs)
@@ -380,7 +337,7 @@ def eager_region(fn: Any = None, *, inline_when: Callable[[], bool] | None = Non
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        state = _active
+        state = IN_PROGRESS.current
         if state is None or not state.breakable:
             return fn(*args, **kwargs)
         if inline_when is not None and inline_when():
@@ -588,93 +545,3 @@ def _tensor_fields(md: Any) -> dict[str, torch.Tensor]:
     if md is None or isinstance(md, dict):
         return {}
     return {k: v for k, v in vars(md).items() if isinstance(v, torch.Tensor)}
-
-
-# --------------------------------------------------------------------------- CPU emulation
-
-
-class CpuOpRecorder:
-    """Emulates CUDA-graph capture on any device by recording dispatched aten ops.
-
-    A segment is the list of ops run while it was open; replay re-runs them on the recorded
-    tensors and copies each fresh result into the tensor the recording produced, so later
-    ops (and eager regions) see it at the same address, as in a CUDA graph. Results that
-    aliased an input at record time (views, in-place ops, a no-op .to()/.contiguous()) need no
-    copy: re-running the op mutates or views the same storage. Used by CPU tests of the
-    recording and dispatch logic at eager levels; compiled (Inductor) code does not dispatch
-    aten ops and cannot be emulated this way.
-    """
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        recorder = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                kwargs = kwargs or {}
-                before = recorder._breaks
-                out = func(*args, **kwargs)
-                if recorder._ops is not None and recorder._breaks == before:
-                    recorder._ops.append((func, args, kwargs, out, _fresh_outputs(args, kwargs, out)))
-                return out
-
-        self._mode = _Mode()
-        self._ops: list[tuple[Any, ...]] | None = None
-        self._breaks = 0
-
-    def enter(self) -> None:
-        self._mode.__enter__()
-
-    def begin(self) -> None:
-        self._ops = []
-
-    def end(self) -> Segment:
-        ops, self._ops = self._ops or [], None
-        self._breaks += 1
-        return _CpuSegment(ops)
-
-    def exit(self) -> None:
-        self._ops = None
-        self._mode.__exit__(None, None, None)
-
-    def is_capturing(self) -> bool:
-        return self._ops is not None
-
-
-def _storages(tree: Any) -> set[int]:
-    from torch.utils._pytree import tree_leaves
-
-    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
-
-
-def _fresh_outputs(args: Any, kwargs: Any, out: Any) -> list[bool]:
-    """Per output: True when it owns new storage (replay must copy into it)."""
-    inputs = _storages((args, kwargs))
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return [
-        isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs for o in outs
-    ]
-
-
-_ALLOCATORS = (
-    torch.ops.aten.empty.memory_format,
-    torch.ops.aten.empty_like.default,
-    torch.ops.aten.empty_strided.default,
-)
-
-
-class _CpuSegment:
-    def __init__(self, ops: list[tuple[Any, ...]]) -> None:
-        self.ops = ops
-
-    def replay(self) -> None:
-        for func, args, kwargs, out, fresh in self.ops:
-            if func in _ALLOCATORS:  # an allocation is no work in a graph either
-                continue
-            res = func(*args, **kwargs)
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            ress = res if isinstance(res, (tuple, list)) else (res,)
-            for o, r, f in zip(outs, ress, fresh, strict=False):
-                if f and isinstance(r, torch.Tensor):
-                    o.copy_(r)
