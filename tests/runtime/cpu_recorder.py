@@ -37,7 +37,9 @@ class CpuOpRecorder:
                 before = recorder._breaks
                 out = func(*args, **kwargs)
                 if recorder._ops is not None and recorder._breaks == before:
-                    recorder._ops.append((func, args, kwargs, out, _fresh_outputs(args, kwargs, out)))
+                    recorder._ops.append(
+                        (func, args, kwargs, out, _fresh_outputs(args, kwargs, out))
+                    )
                 return out
 
         self._mode = _Mode()
@@ -66,7 +68,9 @@ class CpuOpRecorder:
 def _storages(tree: Any) -> set[int]:
     from torch.utils._pytree import tree_leaves
 
-    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    return {
+        t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
+    }
 
 
 def _fresh_outputs(args: Any, kwargs: Any, out: Any) -> list[bool]:
