@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from atom.config import CompilationConfig, Config  # noqa: E402
 from atom.engine import LLMEngine, SamplingParams  # noqa: E402
+from atom.engine.batch import StepBatch  # noqa: E402
 from atom.engine.sequence import Sequence  # noqa: E402
 
 HAS_COMPILE = importlib.util.find_spec("atom.compilation.backends") is not None
@@ -92,7 +93,7 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     engine.block_manager.grow(seq, len(prompt))
     seq.num_scheduled_tokens = len(prompt)
     runner = engine.runner
-    ids, _, meta, ctx = runner.prepare_inputs([seq], is_prefill=True)
+    ids, _, meta, ctx = runner.prepare_inputs(StepBatch.of([seq], True))
     try:
         with runner.step_context(meta, ctx), torch.inference_mode():
             logits, _ = runner.run_model(ids)

@@ -29,7 +29,7 @@ import torch
 
 from atom.cudagraph.pool import GRAPH_POOL, graph_pool
 from atom.utils.counters import counters
-from atom.utils.forward_context import get_forward_context
+from atom.utils.forward_context import TokenGraphPass, get_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -460,8 +460,8 @@ def token_graph(cls: None = None, *, per_phase: bool = False) -> Callable[[type]
 def token_graph(cls: type | None = None, *, per_phase: bool = False) -> Any:
     """Mark a module class as the token-graph recording unit.
 
-    Wraps __call__: with ForwardContext.tr_graph "record" the call is recorded as a token
-    graph for its row count (and phase), with "replay" the recorded graph is replayed, and
+    Wraps __call__: with ForwardContext.tr_graph RECORD the call is recorded as a token
+    graph for its row count (and phase), with REPLAY the recorded graph is replayed, and
     otherwise the call runs as before. Put it ABOVE @support_torch_compile so the recording
     holds the compiled call.
     """
@@ -475,9 +475,9 @@ def token_graph(cls: type | None = None, *, per_phase: bool = False) -> Any:
             if mode is None:
                 return inner_call(self, *args, **kwargs)
             tg = token_graph_of(self)
-            if mode == "replay":
+            if mode == TokenGraphPass.REPLAY:
                 return tg.replay(args, _phase())
-            if mode == "record":
+            if mode == TokenGraphPass.RECORD:
                 return tg.record(lambda *a: inner_call(self, *a, **kwargs), args, _phase())
             raise ValueError(f"ForwardContext.tr_graph must be None, 'record' or 'replay': {mode!r}")
 

@@ -17,18 +17,20 @@ The runner pads a step before preparing it: `plan(...)` says to how many rows an
 
 from __future__ import annotations
 
+import enum
 import gc
 import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Sequence as SequenceOf
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from atom.config import CUDAGraphMode, default_capture_sizes
+from atom.config import Config, CUDAGraphMode, default_capture_sizes
 from atom.cudagraph.region_graph import (
     ReqGraph,
     SegmentRecorder,
@@ -39,21 +41,53 @@ from atom.cudagraph.region_graph import (
     token_graph_of,
 )
 from atom.utils.forward_context import (
+    AttentionMetaData,
+    Context,
+    ForwardContext,
+    TokenGraphPass,
     get_forward_context,
     reset_forward_context,
-    set_forward_context,
 )
 
 logger = logging.getLogger(__name__)
 
-EAGER, TOKEN_GRAPH, REQ_GRAPH = "eager", "token_graph", "req_graph"
+
+class StepKind(enum.StrEnum):
+    """How one step runs (StepPlan.kind)."""
+
+    EAGER = "eager"
+    TOKEN_GRAPH = "token_graph"
+    REQ_GRAPH = "req_graph"
+
+
+EAGER, TOKEN_GRAPH, REQ_GRAPH = StepKind.EAGER, StepKind.TOKEN_GRAPH, StepKind.REQ_GRAPH
+
+
+class GraphRunnerHost(Protocol):
+    """What the GraphRunner needs from the model runner it records for (ModelRunner)."""
+
+    model: torch.nn.Module  # called (input_ids, positions) -> hidden states
+    forward_vars: dict[str, torch.Tensor]  # the persistent step buffers ("outputs" among them)
+
+    def build_dummy_decode(
+        self, num_seqs: int, q_len: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]: ...
+
+    def set_context(self, meta: AttentionMetaData, context: Context) -> None: ...
+
+
+class ScheduledCount(Protocol):
+    """A scheduled sequence as pad_sizes reads it."""
+
+    @property
+    def num_scheduled_tokens(self) -> int: ...
 
 
 # --------------------------------------------------------------------------- configuration
 
 
 def resolve_mode(
-    config: Any,
+    config: Config,
     cuda_available: bool | None = None,
     require_cuda: bool = True,
     mode: CUDAGraphMode | None = None,
@@ -69,7 +103,7 @@ def resolve_mode(
         return CUDAGraphMode.NONE
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    device = str(getattr(config, "device", None) or ("cuda" if cuda_available else "cpu"))
+    device = str(config.device or ("cuda" if cuda_available else "cpu"))
     if require_cuda and (not cuda_available or not device.startswith("cuda")):
         logger.warning(
             "cudagraph_mode %s needs CUDA; running without CUDA graphs (NONE) on %s", mode, device
@@ -118,7 +152,7 @@ def pad_to_bucket(n: int, buckets: list[int]) -> int | None:
 class StepPlan:
     """How one step runs: kind, and the rows / sequences it is padded to."""
 
-    kind: str  # "eager" | "token_graph" | "req_graph"
+    kind: StepKind
     rows: int
     seqs: int
     key: tuple[int, int] | None = None  # request bucket of a req_graph step
@@ -177,7 +211,7 @@ def frozen_gc() -> Iterator[None]:
         gc.collect()
 
 
-def _takes_ids_positions(module: Any) -> bool:
+def _takes_ids_positions(module: torch.nn.Module) -> bool:
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
@@ -199,7 +233,7 @@ class GraphRunner:
 
     def __init__(
         self,
-        config: Any,
+        config: Config,
         cuda_available: bool | None = None,
         recorder_factory: Callable[[], SegmentRecorder] | None = None,
         mode: CUDAGraphMode | None = None,
@@ -216,12 +250,11 @@ class GraphRunner:
         self.mode = resolve_mode(config, cuda_available, require_cuda=self._cuda, mode=mode)
         self.decode_mode = self.mode.decode_mode()
         self.mixed_mode = self.mode.mixed_mode()
-        self.enforce_eager = bool(config.enforce_eager)
         self.capture_sizes: list[int] = []  # ascending, once captured
         self.req_graph = ReqGraph(recorder_factory)
         self.token_graphs: list[TokenGraph] = []
         self._token_sizes: dict[str, list[int]] = {}
-        self._unit: Any = None  # the single recording unit, called directly
+        self._unit: torch.nn.Module | None = None  # the single recording unit, called directly
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # Query rows per decode request: 1, or 1 + draft tokens when a drafter verifies them
@@ -249,7 +282,7 @@ class GraphRunner:
 
     def plan(self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int = 1) -> StepPlan:
         """How the next step runs; the runner pads it to plan.rows / plan.seqs when padded."""
-        if self.mode == CUDAGraphMode.NONE or self.enforce_eager:
+        if self.mode == CUDAGraphMode.NONE:  # also under enforce_eager (resolve_mode)
             return StepPlan(EAGER, num_tokens, num_seqs)
         phase = "prefill" if is_prefill else "decode"
         return ForwardMode.decide(
@@ -264,7 +297,7 @@ class GraphRunner:
         )
 
     def pad_sizes(
-        self, runner: Any, seqs: list[Any], is_prefill: bool
+        self, runner: GraphRunnerHost | None, seqs: SequenceOf[ScheduledCount], is_prefill: bool
     ) -> tuple[int | None, int | None]:
         """(pad_to_rows, pad_to_seqs) for ModelRunner.prepare_inputs; (None, None): eager."""
         num_tokens = sum(int(s.num_scheduled_tokens) for s in seqs)
@@ -288,7 +321,7 @@ class GraphRunner:
             cc.cudagraph_capture_sizes, cc.cuda_graph_sizes, self.config.max_num_seqs
         )
 
-    def _find_units(self, runner: Any) -> list[TokenGraph]:
+    def _find_units(self, runner: GraphRunnerHost) -> list[TokenGraph]:
         units = [m for m in runner.model.modules() if is_token_graph_unit(m)]
         if not units:
             raise RuntimeError(
@@ -298,7 +331,7 @@ class GraphRunner:
         if self.recorder_factory is not None:
             for tg in tgs:
                 tg.recorder_factory = self.recorder_factory
-        outputs = runner.forward_vars.get("outputs") if hasattr(runner, "forward_vars") else None
+        outputs = runner.forward_vars.get("outputs")
         if len(tgs) == 1 and outputs is not None:
             tgs[0].outputs = outputs  # recorded outputs land in the runner's static buffer
         # One unit taking (input_ids, positions), as the Llama backbone does: record and
@@ -306,21 +339,17 @@ class GraphRunner:
         self._unit = units[0] if len(units) == 1 and _takes_ids_positions(units[0]) else None
         return tgs
 
-    def _dummy(self, runner: Any, bs: int, is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dummy(
+        self, runner: GraphRunnerHost, bs: int, is_prefill: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Install a fake decode batch of bs sequences in the forward context."""
         ids, positions, md, ctx = runner.build_dummy_decode(bs, self.q_len)
         ctx.is_prefill = is_prefill
-        if hasattr(runner, "set_context"):  # also installs this runner's attention layers
-            runner.set_context(md, ctx)
-        else:
-            set_forward_context(
-                attn_metadata=md, atom_config=self.config, context=ctx,
-                num_tokens=int(ids.shape[0]),
-            )
+        runner.set_context(md, ctx)  # also installs the runner's attention layers
         return ids, positions
 
     @torch.inference_mode()
-    def capture(self, runner: Any) -> tuple[float, list[int]]:
+    def capture(self, runner: GraphRunnerHost) -> tuple[float, list[int]]:
         """Record every bucket the mode needs; returns (seconds, sizes ascending)."""
         if self.mode == CUDAGraphMode.NONE:
             return 0.0, []
@@ -384,9 +413,11 @@ class GraphRunner:
         if self._cuda:
             torch.cuda.synchronize()
 
-    def _record_token_graphs(self, runner: Any, ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def _record_token_graphs(
+        self, runner: GraphRunnerHost, ids: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         ctx = get_forward_context()
-        ctx.tr_graph = "record"
+        ctx.tr_graph = TokenGraphPass.RECORD
         try:
             (self._unit or runner.model)(ids, positions)
         finally:
@@ -394,7 +425,7 @@ class GraphRunner:
 
     # ---------------------------------------------------------------- replay
 
-    def maybe_replay(self, runner: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def maybe_replay(self, runner: GraphRunnerHost, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Replay the step's graph and return its hidden states, or None to run it eagerly."""
         if self.mode != CUDAGraphMode.NONE and self.capture_sizes:
             fctx = get_forward_context()
@@ -410,20 +441,24 @@ class GraphRunner:
                     return self._replay_req_graph(runner, fctx, input_ids)
         return None  # the runner runs the step eagerly (and counts it in eager_steps)
 
-    def _replay_token_graph(self, runner: Any, fctx: Any, input_ids: torch.Tensor) -> Any:
+    def _replay_token_graph(
+        self, runner: GraphRunnerHost, fctx: ForwardContext, input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
         phase = "prefill" if fctx.context.is_prefill else "decode"
         rows = int(input_ids.shape[0])
         if rows not in self.token_sizes(phase):
             return None  # not padded to a bucket (or above the largest): eager
         if self._unit is not None:
             return token_graph_of(self._unit).replay((input_ids, fctx.context.positions), phase)
-        fctx.tr_graph = "replay"
+        fctx.tr_graph = TokenGraphPass.REPLAY
         try:
             return runner.model(input_ids, fctx.context.positions)
         finally:
             fctx.tr_graph = None
 
-    def _replay_req_graph(self, runner: Any, fctx: Any, input_ids: torch.Tensor) -> Any:
+    def _replay_req_graph(
+        self, runner: GraphRunnerHost, fctx: ForwardContext, input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
         md = fctx.attn_metadata
         ctx = fctx.context
         max_q = getattr(md, "max_seqlen_q", 1) if md is not None else 1

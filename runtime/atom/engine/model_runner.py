@@ -3,8 +3,9 @@
 Every step copies its inputs and attention metadata into slices of persistent device
 buffers (`forward_vars`), so the addresses a CUDA graph recorded stay valid at replay; it
 writes them through persistent host mirrors (atom.engine.host_staging).
-Graph recording and replay belong to `self.graph_runner` (the CUDA-graph engine); with
-none installed every step runs eagerly.
+Graph recording and replay belong to `self.graph_runner` (atom.cudagraph.runner), installed
+only when a graph mode is in force; without one every step runs eagerly. The runner is fed a
+`StepBatch` (atom.engine.batch), never the scheduler's sequences.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 
 from atom.compilation.decorators import compile_for_level
 from atom.compilation.prefetch import CompilePrefetch
-from atom.config import CompilationLevel
+from atom.config import CompilationLevel, Config
+from atom.cudagraph.runner import GraphRunner
+from atom.engine.batch import PENDING_TOKEN, StepBatch
 from atom.engine.host_staging import HostStaging
-from atom.engine.sequence import PENDING_TOKEN, Sequence
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
 from atom.utils.counters import counters
@@ -42,8 +44,12 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+# A step's model inputs: token ids, positions, attention metadata, step context.
+StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]
+
+
 class ModelRunner:
-    def __init__(self, config: Any, hf_config: ModelConfig | None = None) -> None:
+    def __init__(self, config: Config, hf_config: ModelConfig | None = None) -> None:
         self.config = config
         self.hf_config = hf_config or load_model_config(config.model)
         if getattr(config, "max_model_len", None) is None or getattr(config, "max_num_batched_tokens", None) is None:
@@ -52,12 +58,12 @@ class ModelRunner:
         self.block_size = int(config.block_size)
         self.max_model_len = int(config.max_model_len)
         self.max_blocks_per_seq = _cdiv(self.max_model_len, self.block_size)
-        self.enforce_eager = bool(config.enforce_eager)
         self.capture_sizes: list[int] = sorted(config.capture_sizes or [])
         torch.manual_seed(int(getattr(config, "seed", 0)))
 
         compiles = config.compilation_config.level >= CompilationLevel.DYNAMO_ONCE
-        self.compile_prefetch = CompilePrefetch(self.device.type, compiles and not self.enforce_eager)
+        # enforce_eager is decided once, in Config: it sets level 0 and graph mode NONE.
+        self.compile_prefetch = CompilePrefetch(self.device.type, compiles)
         self.model = build_model(config, self.hf_config)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.attn_layers = self.model.attention_layers()
@@ -65,19 +71,10 @@ class ModelRunner:
         # the backbone's @support_torch_compile.
         self.model = compile_for_level(self.model, config)
 
-        # Hook for the CUDA-graph engine: an object with
-        #   pad_sizes(runner, seqs, is_prefill) -> (pad_to_rows | None, pad_to_seqs | None)
-        #   maybe_replay(runner, input_ids) -> hidden states | None (None: run eagerly)
-        #   capture(runner) -> (seconds, captured sizes)
-        self.graph_runner: Any = None
-        # --- CUDA-graph engine (helper D): resolves the mode (NONE without CUDA, one warning);
-        # installed only when graphs will be recorded, so the eager path stays untouched.
-        from atom.cudagraph.runner import GraphRunner
-
-        _graphs = GraphRunner(config)
-        if _graphs.active:
-            self.graph_runner = _graphs
-        # --- end CUDA-graph engine
+        # The CUDA-graph engine resolves the mode (NONE without CUDA, with one warning, and
+        # under enforce_eager); installed only when graphs will be recorded.
+        graphs = GraphRunner(config)
+        self.graph_runner: GraphRunner | None = graphs if graphs.active else None
 
         self.max_num_seqs = max([int(config.max_num_seqs)] + self.capture_sizes)
         self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs)
@@ -152,7 +149,7 @@ class ModelRunner:
     def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
                q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
                num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
+               ) -> StepInputs:
         """Copy host lists (already padded) into the persistent buffers and wrap them. A token
         id -(j + 1) is a placeholder for pending_tokens[j] (the previous step's sampled ids,
         on the device), filled in on the device."""
@@ -189,9 +186,9 @@ class ModelRunner:
                           running_bs=nseq, running_tokens=rows)
         return input_ids, positions, meta, context
 
-    def prepare_inputs(self, seqs: list[Sequence], is_prefill: bool, pad_to_rows: int | None = None,
+    def prepare_inputs(self, batch: StepBatch, pad_to_rows: int | None = None,
                        pad_to_seqs: int | None = None, pending_tokens: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
+                       ) -> StepInputs:
         """Rows for each sequence's scheduled tokens; padding rows have token 0, position 0, slot -1.
 
         Decode (one row per sequence): padding adds sequences of one row with context length 0,
@@ -200,6 +197,7 @@ class ModelRunner:
         `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
         `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
         """
+        seqs, is_prefill = batch.seqs, batch.is_prefill
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -209,10 +207,10 @@ class ModelRunner:
         tables: list[list[int]] = []
         pending = 0
         for seq in seqs:
-            start = seq.num_computed_tokens
-            n = seq.num_scheduled_tokens
+            start = seq.start
+            n = len(seq.token_ids)
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids)
             # Only a sequence's last token can be pending: the host reads a step's tokens
             # before the step after next is prepared.
             last_pending = seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN
@@ -245,13 +243,11 @@ class ModelRunner:
                            ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
                            num_rows, pending_tokens if pending else None)
 
-    def build_dummy_decode(self, num_seqs: int, q_len: int = 1
-                           ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
+    def build_dummy_decode(self, num_seqs: int, q_len: int = 1) -> StepInputs:
         """A fake decode batch for capture and warm-up: every sequence lives in the reserved block."""
         return self._build_dummy(num_seqs, q_len, is_prefill=False)
 
-    def _build_dummy(self, num_seqs: int, q_len: int, is_prefill: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]:
+    def _build_dummy(self, num_seqs: int, q_len: int, is_prefill: bool) -> StepInputs:
         if self.dummy_block < 0:
             raise RuntimeError("allocate_kv_cache() first: dummy batches write into its reserved block")
         if not 1 <= q_len <= self.block_size:
@@ -285,13 +281,9 @@ class ModelRunner:
         context = forward_context.context
         positions = context.positions
         hidden_states = None
-        if self.enforce_eager or self.graph_runner is None:
-            pass  # eager: no graphs recorded
-        else:
-            # CUDA-graph hook: replays when a recorded bucket serves this step (None: eager).
-            out = self.graph_runner.maybe_replay(self, input_ids)
-            if out is not None:
-                hidden_states = out
+        if self.graph_runner is not None:
+            # Replays when a recorded bucket serves this step (None: run it eagerly).
+            hidden_states = self.graph_runner.maybe_replay(self, input_ids)
         if hidden_states is None:
             hidden_states = self.model(input_ids, positions)
             counters.inc("eager_steps")
@@ -303,15 +295,15 @@ class ModelRunner:
             selected = hidden_states[logits_indices]
         return self.model.compute_logits(selected), hidden_states
 
-    def _logits_indices(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+    @staticmethod
+    def _logits_indices(batch: StepBatch) -> list[int]:
         """The last row of each sequence whose tokens are all computed after this step."""
-        idx, sampled, row = [], [], 0
-        for seq in seqs:
-            row += seq.num_scheduled_tokens
-            if seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+        idx, row = [], 0
+        for seq in batch.seqs:
+            row += len(seq.token_ids)
+            if seq.samples:
                 idx.append(row - 1)
-                sampled.append(seq)
-        return idx, sampled
+        return idx
 
     def logits_rows(self, idx: list[int]) -> torch.Tensor | int:
         """run_model's logits_indices for these rows: a count when they are the first rows in
@@ -321,22 +313,20 @@ class ModelRunner:
         return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute_model(self, seqs: list[Sequence], is_prefill: bool,
-                      pending_tokens: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one scheduled step; returns logits [n, vocab] (the model's dtype) for the n
-        sequences to sample. pending_tokens: the previous step's sampled ids on the device,
-        for rows whose token the host has not read yet (prepare_inputs)."""
+    def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """Run one scheduled step; returns logits [n, vocab] (the model's dtype) and the
+        indices in batch.seqs of the n sequences to sample. pending_tokens: the previous
+        step's sampled ids on the device, for rows whose token the host has not read yet
+        (prepare_inputs)."""
         pad_rows = pad_seqs = None
-        if self.graph_runner is not None and not self.enforce_eager:
-            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, seqs, is_prefill)
-        input_ids, _, meta, context = self.prepare_inputs(seqs, is_prefill, pad_rows, pad_seqs,
-                                                          pending_tokens)
-        idx, sampled = self._logits_indices(seqs)
-        indices = self.logits_rows(idx)
+        if self.graph_runner is not None:
+            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill)
+        input_ids, _, meta, context = self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens)
+        indices = self.logits_rows(self._logits_indices(batch))
         with self.step_context(meta, context):
             logits, _ = self.run_model(input_ids, indices)
-        return logits, sampled
+        return logits, batch.sampled()
 
     @torch.inference_mode()
     def dummy_run(self, num_rows: int, is_prefill: bool) -> None:
@@ -375,6 +365,6 @@ class ModelRunner:
 
     def capture_cudagraph(self) -> tuple[float, list[int]]:
         """Delegates to the CUDA-graph engine; without one nothing is captured."""
-        if self.graph_runner is not None and not self.enforce_eager:
+        if self.graph_runner is not None:
             return self.graph_runner.capture(self)
         return 0.0, []
