@@ -247,8 +247,9 @@ def support_torch_compile(cls: _T | None = None) -> Any:
         def __init__(self: Any, *args: Any, atom_config: Config, **kwargs: Any) -> None:
             old_init(self, *args, atom_config=atom_config, **kwargs)
             self.atom_config = atom_config
+            # enforce_eager is decided in Config: it sets level 0.
             level = atom_config.compilation_config.level
-            self.do_not_compile = atom_config.enforce_eager or level in (
+            self.do_not_compile = level in (
                 CompilationLevel.NO_COMPILATION,
                 CompilationLevel.DYNAMO_AS_IS,
             )
@@ -270,7 +271,7 @@ def compile_for_level(model: torch.nn.Module, atom_config: Config) -> torch.nn.M
     """The runner's part: level 1 runs the whole model through Dynamo with the eager backend
     (fullgraph, so a graph break is an error: level 1 is a compatibility check). Other levels
     return the model unchanged (levels >= 2 compile inside @support_torch_compile)."""
-    if atom_config.enforce_eager or atom_config.compilation_config.level != CompilationLevel.DYNAMO_AS_IS:
+    if atom_config.compilation_config.level != CompilationLevel.DYNAMO_AS_IS:  # 0 under enforce_eager
         return model
     # An instance attribute shadows the class's forward for nn.Module.__call__ and for the
     # decorator's __call__ alike.
