@@ -18,17 +18,40 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime" / "atom"
 # and the other old paths that now re-export the new packages.
 GUIDE_PATHS = {
     "atom.config": ["CompilationLevel", "CompilationConfig", "CUDAGraphMode", "Config"],
-    "atom.utils.region_graph": ["TokenGraph", "ReqGraph", "eager_region", "token_graph",
-                                "graph_pool"],
-    "atom.utils.forward_context": ["ForwardContext", "Context", "AttentionMetaData",
-                                   "DPMetadata", "set_forward_context", "get_forward_context"],
-    "atom.utils.backends": ["VllmBackend", "CompilerManager", "SplitItem", "split_graph",
-                            "PiecewiseCompileInterpreter"],
-    "atom.utils.compiler_inferface": ["CompilerInterface", "InductorAdaptor",
-                                      "InductorStandaloneAdaptor", "AlwaysHitShapeEnv"],
+    "atom.utils.region_graph": [
+        "TokenGraph",
+        "ReqGraph",
+        "eager_region",
+        "token_graph",
+        "graph_pool",
+    ],
+    "atom.utils.forward_context": [
+        "ForwardContext",
+        "Context",
+        "AttentionMetaData",
+        "DPMetadata",
+        "set_forward_context",
+        "get_forward_context",
+    ],
+    "atom.utils.backends": [
+        "VllmBackend",
+        "CompilerManager",
+        "SplitItem",
+        "split_graph",
+        "PiecewiseCompileInterpreter",
+    ],
+    "atom.utils.compiler_inferface": [
+        "CompilerInterface",
+        "InductorAdaptor",
+        "InductorStandaloneAdaptor",
+        "AlwaysHitShapeEnv",
+    ],
     "atom.utils.cuda_piecewise_backend": ["PiecewiseBackend", "ConcreteSizeEntry"],
-    "atom.utils.decorators": ["support_torch_compile", "TorchCompileWrapperWithCustomDispatcher",
-                              "start_monitoring_torch_compile"],
+    "atom.utils.decorators": [
+        "support_torch_compile",
+        "TorchCompileWrapperWithCustomDispatcher",
+        "start_monitoring_torch_compile",
+    ],
     "atom.utils.custom_register": ["direct_register_custom_op", "aiter_lib"],
     "atom.model_engine.model_runner": ["ModelRunner"],
 }
@@ -78,8 +101,16 @@ ALLOWED = {
     "compilation": {"config", "utils"},
     "cudagraph": {"config", "utils"},
     "config": {"compilation"},  # compilation.levels only, checked below
-    "engine": {"models", "layers", "kernels", "compilation", "cudagraph", "disagg", "utils",
-               "config"},
+    "engine": {
+        "models",
+        "layers",
+        "kernels",
+        "compilation",
+        "cudagraph",
+        "disagg",
+        "utils",
+        "config",
+    },
 }
 # Modules below the scheduler: they never see a Sequence.
 BELOW_SCHEDULER = ["engine/model_runner.py", "engine/host_staging.py", "engine/batch.py"]
@@ -104,8 +135,11 @@ def _package(module: str) -> str:
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_packages_import_only_downwards(package: str) -> None:
-    files = sorted((RUNTIME / package).rglob("*.py")) if (RUNTIME / package).is_dir() \
+    files = (
+        sorted((RUNTIME / package).rglob("*.py"))
+        if (RUNTIME / package).is_dir()
         else [RUNTIME / f"{package}.py"]
+    )
     bad = []
     for f in files:
         for module in _imports(f):
@@ -122,8 +156,12 @@ def test_config_takes_only_the_enums_from_compilation() -> None:
 
 @pytest.mark.parametrize("rel", BELOW_SCHEDULER)
 def test_the_runner_side_never_imports_the_scheduler_side(rel: str) -> None:
-    upward = ("atom.engine.sequence", "atom.engine.scheduler", "atom.engine.llm_engine",
-              "atom.entrypoints")
+    upward = (
+        "atom.engine.sequence",
+        "atom.engine.scheduler",
+        "atom.engine.llm_engine",
+        "atom.entrypoints",
+    )
     assert [m for m in _imports(RUNTIME / rel) if m.startswith(upward)] == []
 
 
@@ -133,6 +171,9 @@ def test_leaf_utils_import_no_atom_module(rel: str) -> None:
 
 
 def test_no_runtime_file_is_over_600_lines() -> None:
-    long = {str(f.relative_to(RUNTIME)): n for f in RUNTIME.rglob("*.py")
-            if (n := len(f.read_text().splitlines())) > 600}
+    long = {
+        str(f.relative_to(RUNTIME)): n
+        for f in RUNTIME.rglob("*.py")
+        if (n := len(f.read_text().splitlines())) > 600
+    }
     assert long == {}

@@ -56,9 +56,16 @@ class StepBatch:
         rows = []
         for seq in seqs:
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            rows.append(SeqRows(seq.request_id, seq.token_ids[start:start + n], start,
-                                seq.block_table, seq.pending_src,
-                                start + n == len(seq.token_ids)))
+            rows.append(
+                SeqRows(
+                    seq.request_id,
+                    seq.token_ids[start : start + n],
+                    start,
+                    seq.block_table,
+                    seq.pending_src,
+                    start + n == len(seq.token_ids),
+                )
+            )
         return cls(rows, is_prefill)
 
     @property
