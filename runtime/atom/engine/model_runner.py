@@ -52,14 +52,14 @@ class ModelRunner:
     def __init__(self, config: Config, hf_config: ModelConfig | None = None) -> None:
         self.config = config
         self.hf_config = hf_config or load_model_config(config.model)
-        if getattr(config, "max_model_len", None) is None or getattr(config, "max_num_batched_tokens", None) is None:
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
             config.finalize_model_len(self.hf_config.max_position_embeddings)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.block_size = int(config.block_size)
         self.max_model_len = int(config.max_model_len)
         self.max_blocks_per_seq = _cdiv(self.max_model_len, self.block_size)
         self.capture_sizes: list[int] = sorted(config.capture_sizes or [])
-        torch.manual_seed(int(getattr(config, "seed", 0)))
+        torch.manual_seed(int(config.seed))
 
         compiles = config.compilation_config.level >= CompilationLevel.DYNAMO_ONCE
         # enforce_eager is decided once, in Config: it sets level 0 and graph mode NONE.
