@@ -35,6 +35,7 @@ VARIANTS = {
 
 def main() -> None:
     import atom.kernels.triton_attention as tk
+    from atom.kernels import tuning
     from atom.kernels.testing import random_paged_batch
     from atom.layers.rotary import Rope, RotaryEmbedding
 
@@ -51,7 +52,7 @@ def main() -> None:
                               "cases": []}
     for max_len in args.max_model_lens:
         width = max_len // BLOCK
-        tiles = width * BLOCK // tk._DECODE_TILE_N
+        tiles = width * BLOCK // tuning.DECODE_TILE_N
         for ctx in [c for c in args.contexts if c < max_len]:
             for b in args.batches:
                 batch = random_paged_batch([1] * b, [ctx] * b, HEADS, KV_HEADS, HEAD_DIM,

@@ -140,6 +140,7 @@ def fill_batch(engine, batch: int, context: int) -> None:
 def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
     """(runner, input_ids, logits indices) of the next decode batch, prepared once with its
     forward context set; on exit the sequences are un-scheduled (the next step takes them)."""
+    from atom.engine.batch import StepBatch
 
     runner = engine.runner
     engine.read_launched()  # the batch's tokens on the host: nothing pending on the device
@@ -151,8 +152,9 @@ def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
         pad = runner.graph_runner.pad_sizes(runner, seqs, False)
     try:
         with torch.inference_mode():
-            input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
-            idx = runner.logits_rows(runner._logits_indices(seqs)[0])  # as execute_model
+            batch = StepBatch.of(seqs, False)
+            input_ids, _, meta, context = runner.prepare_inputs(batch, *pad)
+            idx = runner.logits_rows(runner._logits_indices(batch))  # as execute_model
             with runner.step_context(meta, context):
                 yield runner, input_ids, idx
     finally:

@@ -137,7 +137,7 @@ def main() -> None:
                          "DEVICE_READS_MIRRORS); several: each in turn, keys suffixed /NAME")
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
-    from atom.model_engine import host_staging
+    from atom.engine import host_staging
 
     engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us",
                                       args.max_model_len)

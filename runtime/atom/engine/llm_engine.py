@@ -22,13 +22,14 @@ import torch
 
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import scatter_blocks
+from atom.engine.batch import StepBatch
 from atom.engine.block_manager import BlockManager
+from atom.engine.model_runner import ModelRunner
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.engine.sampled_copy import SampledCopier, SampledCopy
 from atom.engine.sampler import Sampler, host_results
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence
-from atom.model_engine.model_runner import ModelRunner
 from atom.models.registry import load_model_config
 from atom.utils.counters import counters
 
@@ -243,7 +244,9 @@ class LLMEngine:
         """Queue the step's forward and sampling; placeholders for the sequences that go on."""
         self._place_pulled_kv(sched.seqs)
         before = self._launched.tokens if self._launched is not None else None
-        logits, to_sample = self.runner.execute_model(sched.seqs, sched.is_prefill, before)
+        batch = StepBatch.of(sched.seqs, sched.is_prefill)
+        logits, sampled = self.runner.execute_model(batch, before)
+        to_sample = [sched.seqs[i] for i in sampled]
         for seq in sched.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0

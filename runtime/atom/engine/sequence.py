@@ -6,11 +6,10 @@ import enum
 
 import torch
 
+from atom.engine.batch import PENDING_TOKEN
 from atom.engine.params import SamplingParams
 
-# Stands in token_ids for a token sampled by a step whose result the host has not read yet
-# (asynchronous scheduling): the next step reads the real id on the device (`pending_src`).
-PENDING_TOKEN = -1
+__all__ = ["PENDING_TOKEN", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
