@@ -7,6 +7,11 @@ bench/profile_warm_start.py). None of that depends on the model, so a thread doe
 main thread builds the model, loads the weights and sizes the KV cache; the compile phase
 waits for whatever is left. Everything here is cached by torch and Triton themselves, so the
 main thread redoing a step the thread has not reached is correct, only slower.
+
+The imports themselves run on the caller's thread before the thread starts: torch's Inductor
+and Dynamo modules import each other, and a second thread importing them at the same time can
+see a partially initialised module (`cannot import name ... from partially initialized module
+torch._inductor.utils`, seen under load). Only the file hashing runs in the background.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ import time
 logger = logging.getLogger(__name__)
 
 
-def _prefetch(device_type: str) -> None:
-    import torch._inductor.compile_fx  # noqa: F401 - the import is the work
+def _import_compiler() -> None:
+    import torch._dynamo  # noqa: F401 - the import is the work
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.standalone_compile  # noqa: F401
+
+
+def _prefetch(device_type: str) -> None:
     from torch._inductor.codecache import torch_key
 
     torch_key()
@@ -40,6 +50,7 @@ class CompilePrefetch:
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
         if enabled:
+            _import_compiler()
             self._thread = threading.Thread(target=self._run, args=(device_type,),
                                             name="atom-compile-prefetch", daemon=True)
             self._thread.start()
