@@ -25,7 +25,7 @@ from atom.entrypoints.generation import (
     generate,
     new_request_id,
 )
-from atom.entrypoints.info import config_info, graph_info
+from atom.entrypoints.info import config_info, graph_info, prefix_cache_info
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
 from atom.entrypoints.protocol import (
     GenerationRequest,
@@ -153,6 +153,7 @@ async def status(request: web.Request) -> web.Response:
         "captured_buckets": captured_buckets(summary),
         "warmup": summary,
         "stats": engine.last_stats,
+        "prefix_cache": prefix_cache_info(engine.last_stats),
         "counters": counters.snapshot(),
         "in_flight": len(engine.streams),
         "steps": engine.steps,
@@ -359,11 +360,12 @@ class _Formatter:
         self.tok, self.id, self.req, self.chat = tokenizer, request_id, req, chat
         self.created = int(time.time())
 
-    def _usage(self, d: Delta) -> dict[str, int]:
+    def _usage(self, d: Delta) -> dict[str, Any]:
         return {
             "prompt_tokens": d.prompt_tokens,
             "completion_tokens": d.completion_tokens,
             "total_tokens": d.prompt_tokens + d.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
         }
 
     def _logprobs(
