@@ -16,6 +16,7 @@ from dataclasses import fields
 
 from aiohttp import web
 
+from atom.router.policy import RoutingPolicy
 from atom.router.proxy import RouterSettings, create_router_app
 
 
@@ -40,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=30.0, help="seconds in-flight requests get at SIGTERM"
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--routing-policy",
+        choices=[p.value for p in RoutingPolicy],
+        default=RoutingPolicy.PREFIX.value,
+        help="how a prefill instance is picked: prefix (the one that most recently served the "
+        "longest matching prompt prefix, bounded by outstanding requests) or least-outstanding",
+    )
     d = RouterSettings()
     for flag, default, text in (
         ("--health-interval", d.health_interval, "seconds between /health probes of each instance"),

@@ -28,6 +28,7 @@ from prometheus_client import generate_latest
 
 from atom.router.health import health_loop, probe_pool
 from atom.router.metrics import RouterMetrics
+from atom.router.policy import Picker, prefix_keys
 from atom.router.pool import Instance, Pool, Resolver, resolve_dns
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class RouterSettings:
     connect_timeout: float = 5.0
     prefill_timeout: float = 120.0  # the whole prefill call
     read_timeout: float = 600.0  # silence allowed while a decode instance generates
+    routing_policy: str = "prefix"  # prefill instances: prefix | least-outstanding (policy.py)
 
 
 class Unavailable(Exception):
@@ -165,6 +167,7 @@ class Router:
         self.prefill, self.decode = prefill, decode
         self.settings = settings or RouterSettings()
         self.metrics = RouterMetrics([prefill, decode])
+        self.picker = Picker(self.settings.routing_policy, self.metrics.registry)
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
 
@@ -211,10 +214,13 @@ class Router:
             self.metrics.queue.dec()
         raise Unavailable(pool.role, pool.unavailable_reason(), "no_backend")
 
-    async def _pick(self, pool: Pool, tried: set[Instance]) -> Instance:
-        """An instance in rotation not tried yet (waiting for one if none is in rotation)."""
+    async def _pick(
+        self, pool: Pool, tried: set[Instance], keys: list[bytes] | None = None
+    ) -> Instance:
+        """An instance in rotation not tried yet (waiting for one if none is in rotation);
+        keys: the request's prefix keys (the routing policy, policy.py)."""
         await self.await_rotation(pool)
-        inst = pool.pick(tried)
+        inst = self.picker.pick(pool, tried, keys)
         if inst is None:
             raise Unavailable(
                 pool.role, f"every {pool.role} instance declined the request", "no_backend"
@@ -248,10 +254,11 @@ class Router:
     ) -> tuple[Instance, dict[str, Any]] | web.Response:
         """(instance, KV handle), or the prefill's own 4xx answer (the client's error)."""
         pbody = _prefill_body(body)
+        keys = prefix_keys(body)
         tried: set[Instance] = set()
         with self.metrics.prefill_seconds.time():
             while True:
-                inst = await self._pick(self.prefill, tried)
+                inst = await self._pick(self.prefill, tried, keys)
                 tried.add(inst)
                 try:
                     with self.prefill.busy(inst):
