@@ -10,9 +10,11 @@ from atom_operator.builders.runtime import container_security_context, pod_secur
 from atom_operator.models import AtomDeploymentSpec
 
 
-def router_args(owner: Owner, revision: str) -> list[str]:
+def router_args(owner: Owner, revision: str, routing_policy: str = "prefix") -> list[str]:
     """DNS names of the revision's headless role Services: the router balances over their pods
-    (each request needs one prefill pod and one decode pod, not a Service's random pick)."""
+    (each request needs one prefill pod and one decode pod, not a Service's random pick).
+    --routing-policy is rendered only when it is not the router's default (prefix)."""
+    policy = [] if routing_policy == "prefix" else ["--routing-policy", routing_policy]
     return [
         "--prefill",
         naming.service_address(owner.name, owner.namespace, naming.PREFILL, revision),
@@ -20,6 +22,7 @@ def router_args(owner: Owner, revision: str) -> list[str]:
         naming.service_address(owner.name, owner.namespace, naming.DECODE, revision),
         "--port",
         str(naming.HTTP_PORT),
+        *policy,
     ]
 
 
@@ -33,7 +36,7 @@ def build_router_deployment(
         "name": "router",
         "image": image,
         "command": ["atom-router"],
-        "args": router_args(owner, serving_revision),
+        "args": router_args(owner, serving_revision, router.routing_policy),
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
         "securityContext": container_security_context(),
