@@ -161,6 +161,8 @@ class BlockManager:
     def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:
         """Count a request's first admission (queries and hits in prompt tokens)."""
         seq.num_cached_tokens = cached_tokens
+        if not self.enable_prefix_caching:
+            return  # nothing was looked up
         self.stats.requests += 1
         self.stats.queries += seq.num_prompt_tokens
         self.stats.hits += cached_tokens
