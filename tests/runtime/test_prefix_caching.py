@@ -403,3 +403,37 @@ def test_cli_turns_prefix_caching_off() -> None:
     assert on.enable_prefix_caching is True and off.enable_prefix_caching is False
     # not a compile input: the compile cache is shared by both settings
     assert on.compile_hash_factors() == off.compile_hash_factors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "TR_HYBRID"])
+def test_cuda_graphs_same_tokens_with_caching(level: int, mode: str) -> None:
+    """On CUDA a prefill starting at a cached offset runs eagerly or on a prefill token bucket
+    (the Triton prefill kernel reads the cached blocks through the block table), and a prompt
+    left with one token to compute can ride a decode graph: tokens equal caching off, and the
+    graphs did replay."""
+    import torch
+
+    from atom.utils.counters import counters
+
+    def make(prefix: bool) -> LLMEngine:
+        cc = CompilationConfig(
+            level=level, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8]
+        )
+        return _engine(
+            prefix,
+            device="cuda",
+            max_num_seqs=8,
+            num_kv_blocks=None,
+            gpu_memory_utilization=0.3,
+            compilation_config=cc,
+        )
+
+    waves = [*WAVES, [("g1", SYSTEM + [11]), ("g2", SYSTEM[:32] + [12])]]
+    off = _run_waves(make(False), waves)
+    with counters.track() as run:
+        on = _run_waves(make(True), waves)
+    assert on == off
+    assert run.get("graph_replays", 0) > 0
+    torch.cuda.empty_cache()

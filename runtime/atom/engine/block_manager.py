@@ -173,8 +173,11 @@ class BlockManager:
         """Register seq's full computed blocks whose tokens are known (call after the step
         that computes them was launched). A block whose key another block already holds
         stays unkeyed: it is freed as usual, the first copy serves later prompts."""
-        if not self.enable_prefix_caching:
-            return
+        if (
+            not self.enable_prefix_caching
+            or seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks
+        ):
+            return  # the common decode step: no block filled since the last call
         computed = min(
             seq.num_computed_tokens, seq.num_tokens, len(seq.block_table) * self.block_size
         )
