@@ -437,3 +437,78 @@ def test_cuda_graphs_same_tokens_with_caching(level: int, mode: str) -> None:
     assert on == off
     assert run.get("graph_replays", 0) > 0
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_next_turn_hits_blocks_written_by_decode_and_a_stop(async_scheduling: bool) -> None:
+    """A chat's next turn is the last prompt + its reply + a new message: it hits blocks filled
+    by decode steps (whose tokens were pending when launched), including the block whose last
+    slot holds the stop token (under async scheduling that key/value was written by a step
+    launched before the stop was read)."""
+    prompt = [1] + _toks(28, 5)  # 29 tokens: output index 2 lands on position 31, a block's end
+    on, off = _engine(True, async_scheduling=async_scheduling), _engine(False)
+    full = off.generate([prompt], GREEDY)[0]
+    stop = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[full[2]])
+    ended = on.generate([prompt], stop)[0]
+    assert ended == full[: full.index(full[2]) + 1]
+    turn2 = prompt + ended + _toks(5, 6)
+    expected = off.generate([turn2], GREEDY)[0]
+    before = on.block_manager.stats.hits
+    assert on.generate([turn2], GREEDY)[0] == expected
+    hit = on.block_manager.stats.hits - before
+    # the stop token's key/value exists only if a step computed it: under async scheduling the
+    # step launched before the stop was read did; synchronously nothing does
+    computed = len(prompt) + len(ended) - (0 if async_scheduling else 1)
+    assert hit == 16 * (computed // 16)
+    long_reply = on.generate(
+        [turn2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )[0]
+    turn3 = turn2 + long_reply + [9]
+    before = on.block_manager.stats.hits
+    assert on.generate([turn3], GREEDY)[0] == off.generate([turn3], GREEDY)[0]
+    assert on.block_manager.stats.hits - before >= 16 * ((len(turn2) + 30) // 16)
+
+
+def test_randomized_arrivals_stops_aborts_and_preemption_match_caching_off() -> None:
+    """A scripted mix (fixed seed): shared prefixes of several lengths, arrivals at random
+    steps, stop tokens, aborts and a pool small enough to preempt and evict."""
+    import random
+
+    rng = random.Random(11)
+    bases = [[1] + _toks(n, s) for s, n in ((1, 47), (2, 20), (3, 70))]
+    reqs = []
+    for i in range(14):
+        base = rng.choice(bases)
+        prompt = base[: rng.randrange(1, len(base) + 1)] + _toks(rng.randrange(0, 12), 20 + i)
+        stops = [rng.randrange(3, 250) for _ in range(3)]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=rng.randrange(1, 14), stop_token_ids=stops, ignore_eos=True
+        )
+        reqs.append((f"r{i}", prompt, params, rng.randrange(0, 30)))
+    aborts = {"r3": 6, "r8": 20}
+
+    def run(prefix: bool) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = _engine(prefix, num_kv_blocks=10, max_num_batched_tokens=40)
+        got: dict[str, list[int]] = {rid: [] for rid, *_ in reqs}
+        step = 0
+        while step <= 30 or engine.has_unfinished_requests():
+            for rid, prompt, params, at in reqs:
+                if at == step:
+                    engine.add_request(rid, prompt, params)
+            for rid, at in aborts.items():
+                if at == step:
+                    engine.abort_request(rid)
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            step += 1
+            assert step < 2000
+        assert engine.block_manager.num_used_blocks == 0
+        return got, engine
+
+    on, on_engine = run(True)
+    off, off_engine = run(False)
+    assert {k: v for k, v in on.items() if k not in aborts} == {
+        k: v for k, v in off.items() if k not in aborts
+    }
+    assert on_engine.block_manager.stats.hits > 0
+    assert on_engine.scheduler.num_preemptions + off_engine.scheduler.num_preemptions > 0
