@@ -327,13 +327,25 @@ def test_pulled_blocks_are_registered() -> None:
     blocks = src.kv_holds._holds["p"].block_ids
     payload = torch.stack([src.runner.kv_cache[:, :, b] for b in blocks])
     dst = _engine(True)
-    dst.add_prefilled_request("p", SYSTEM + [5], first[0], GREEDY, payload)
+    # the prefill instance's hit travels in the handle and is reported by the decode instance
+    dst.add_prefilled_request("p", SYSTEM + [5], first[0], GREEDY, payload, cached_tokens=64)
+    reported = set()
     while dst.has_unfinished_requests():
-        dst.step()
+        reported |= {out.num_cached_tokens for out in dst.step() if out.request_id == "p"}
+    assert reported == {64}
     assert dst.block_manager.num_cached_blocks >= 5
     expected = _run_waves(_engine(False), [[("r", SYSTEM + [6])]])["r"]
     got = _run_waves(dst, [[("r", SYSTEM + [6])]])["r"]
     assert got == expected and dst.block_manager.stats.hits == 80
+
+
+def test_handle_carries_cached_tokens() -> None:
+    from atom.disagg.handle import KVHandle
+
+    h = KVHandle("h", None, 8001, "id", "m", 2, [1, 2, 3], 7, cached_tokens=16)
+    assert KVHandle.from_dict(h.to_dict()).cached_tokens == 16
+    old = {k: v for k, v in h.to_dict().items() if k != "cached_tokens"}  # an older prefill
+    assert KVHandle.from_dict(old).cached_tokens == 0
 
 
 def test_level_3_compiled_model_same_tokens_with_caching() -> None:

@@ -135,12 +135,15 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               first_token: int, params: SamplingParams | None,
-                              kv_blocks: Any, first_logprob: float | None = None) -> None:
+                              kv_blocks: Any, first_logprob: float | None = None, *,
+                              cached_tokens: int = 0) -> None:
         """A sequence whose prompt ran elsewhere: `kv_blocks` holds the prompt's KV (host tensor
         [n, 2, layers, block, heads, dim], atom.disagg.kv_blocks) and `first_token` was sampled
         from it. The first token is reported at once; decoding continues from it. kv_blocks may
-        be None only when the first token already ends the request."""
+        be None only when the first token already ends the request. cached_tokens: prompt
+        tokens the prefill instance found in its prefix cache (reported, not looked up here)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.num_cached_tokens = cached_tokens
         if not 0 <= first_token < self.hf_config.vocab_size:
             raise ValueError(f"first token id {first_token} is outside the vocabulary")
         seq.token_ids.append(first_token)

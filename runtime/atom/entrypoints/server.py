@@ -250,6 +250,7 @@ async def _serve_prefill(state: ServerState, req: GenerationRequest, chat: bool)
         raise APIError(503, "the prefill produced no token", code="engine_unavailable")
     logprob = first.logprobs[0] if first.logprobs else None
     handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob)
+    handle.cached_tokens = deltas[-1].cached_tokens
     body = _Formatter(state.tokenizer, request_id, req, chat).full(deltas)
     body["kv_transfer"] = handle.to_dict()
     return web.json_response(body)
@@ -291,7 +292,7 @@ async def _serve_decode(
         except KVTransferError as exc:
             status = 409 if exc.code == "kv_mismatch" else 503
             raise APIError(status, exc.message, param="kv_transfer", code=exc.code) from None
-    pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob)
+    pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob, handle.cached_tokens)
     return await _serve(request, state, req, chat, prefilled=pre)
 
 
