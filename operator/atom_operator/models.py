@@ -24,6 +24,7 @@ GRAPH_MODES: tuple[str, ...] = GraphMode.__args__  # type: ignore[attr-defined]
 Level = Literal[0, 1, 2, 3]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Dtype = Literal["bfloat16", "float16", "float32", "auto"]
+RoutingPolicy = Literal["prefix", "least-outstanding"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
 
 MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
@@ -294,6 +295,14 @@ class RouterSpec(_Base):
         "so a node drain or a router restart does not stop serving).",
     )
     resources: dict[str, Any] | None = _opaque_object("Container resources of the router.")
+    routing_policy: RoutingPolicy = Field(
+        default="prefix",
+        description="How the router picks a prefill pod (atom-router --routing-policy): prefix "
+        "sends a request to the pod that most recently served the longest prefix of its prompt "
+        "(its prefix cache holds those blocks), passing over a pod whose outstanding requests "
+        "exceed 1.5x the mean + 2; least-outstanding ignores prompts. Decode pods are always "
+        "balanced by outstanding requests. Not in the compile-cache key.",
+    )
 
 
 class Disaggregation(_Base):
@@ -383,6 +392,13 @@ class AtomDeploymentSpec(_Base):
     )
     model: ModelSource = Field(description="The model to serve.")
     engine: EngineSpec = _section(EngineSpec, "Engine limits.")
+    prefix_caching: bool = Field(
+        default=True,
+        description="Automatic prefix caching in every runtime pod: the KV blocks of prompt "
+        "prefixes seen before are reused instead of recomputed (false renders "
+        "--no-enable-prefix-caching). Not in the compile-cache key: it changes no compiled code "
+        "or captured graph, only which blocks the scheduler hands out.",
+    )
     compilation: Compilation = _section(Compilation, "Compilation level and CUDA graph settings.")
     compile_cache: CompileCacheSpec = _section(CompileCacheSpec, "Compile-cache volume.")
     replicas: int | None = Field(

@@ -151,6 +151,9 @@ class Config:
     # Launch each step before reading the last one's tokens (LLMEngine.step); False: every
     # step ends with its tokens on the host.
     async_scheduling: bool = True
+    # Reuse the KV blocks of cached prompt prefixes (atom.engine.block_manager). Not a compile
+    # or capture input: the same compiled code and graphs serve both settings.
+    enable_prefix_caching: bool = True
     capture_sizes: list[int] | None = None  # computed in __post_init__
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     seed: int = 0

@@ -175,4 +175,5 @@ def _plan_disaggregated(
             out.keep.add(("Service", naming.role_service_name(owner.name, role, keep_rev)))
     out.add(build_router_deployment(owner, spec, image, target))
     out.serving_revision = target
-    return router_args(owner, target)
+    assert spec.disaggregation is not None
+    return router_args(owner, target, spec.disaggregation.router.routing_policy)

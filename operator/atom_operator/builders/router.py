@@ -21,9 +21,11 @@ ROUTER_CPU = "500m"
 ROUTER_MEMORY = "1Gi"
 
 
-def router_args(owner: Owner, revision: str) -> list[str]:
+def router_args(owner: Owner, revision: str, routing_policy: str = "prefix") -> list[str]:
     """DNS names of the revision's headless role Services: the router balances over their pods
-    (each request needs one prefill pod and one decode pod, not a Service's random pick)."""
+    (each request needs one prefill pod and one decode pod, not a Service's random pick).
+    --routing-policy is rendered only when it is not the router's default (prefix)."""
+    policy = [] if routing_policy == "prefix" else ["--routing-policy", routing_policy]
     return [
         "--prefill",
         naming.service_address(owner.name, owner.namespace, naming.PREFILL, revision),
@@ -31,6 +33,7 @@ def router_args(owner: Owner, revision: str) -> list[str]:
         naming.service_address(owner.name, owner.namespace, naming.DECODE, revision),
         "--port",
         str(naming.HTTP_PORT),
+        *policy,
     ]
 
 
@@ -44,7 +47,7 @@ def build_router_deployment(
         "name": "router",
         "image": image,
         "command": ["atom-router"],
-        "args": router_args(owner, serving_revision),
+        "args": router_args(owner, serving_revision, router.routing_policy),
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
         # A TCP check, not /health: that one is 503 while no backend is healthy, and

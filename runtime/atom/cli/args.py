@@ -71,6 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="end every step with its tokens on the host (default: launch each step before reading the last)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of cached prompt prefixes (default on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--level", type=_level, default=None, help="compilation level 0-3 (default 3)")
     parser.add_argument("--cudagraph-mode", default=None, help="NONE, TR_HYBRID, FULL, FULL_DECODE_ONLY, FULL_AND_TR_HYBRID")
     parser.add_argument("--cudagraph-capture-sizes", type=_positive_int, nargs="+", default=None)

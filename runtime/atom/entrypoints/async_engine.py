@@ -31,6 +31,7 @@ class Prefilled:
     first_token: int
     kv_blocks: Any  # host tensor (atom.disagg.kv_blocks) or None when the first token ends it
     first_logprob: float | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill instance found in its prefix cache
 
 
 class EngineDead(RuntimeError):
@@ -213,7 +214,13 @@ class AsyncEngine:
         pre = opts.get("prefilled")
         if pre is not None:
             self.engine.add_prefilled_request(
-                request_id, prompt_ids, pre.first_token, params, pre.kv_blocks, pre.first_logprob
+                request_id,
+                prompt_ids,
+                pre.first_token,
+                params,
+                pre.kv_blocks,
+                pre.first_logprob,
+                cached_tokens=pre.cached_tokens,
             )
         elif opts.get("hold_kv"):
             self.engine.add_request(request_id, prompt_ids, params, hold_kv=True)

@@ -29,6 +29,7 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def new_request_id(prefix: str) -> str:
@@ -110,6 +111,7 @@ async def generate(
                 finish_reason=finish_reason,
                 prompt_tokens=out.num_prompt_tokens or len(req.prompt_ids),
                 completion_tokens=completion_tokens,
+                cached_tokens=getattr(out, "num_cached_tokens", 0),
             )
         metrics.generation_tokens.inc(completion_tokens)
         metrics.e2e.observe(time.monotonic() - stream.arrival)

@@ -28,7 +28,7 @@ from atom.entrypoints.generation import (
     generate,
     new_request_id,
 )
-from atom.entrypoints.info import config_info, graph_info
+from atom.entrypoints.info import config_info, graph_info, prefix_cache_info
 from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
 from atom.entrypoints.middleware import json_errors
@@ -145,6 +145,7 @@ async def status(request: web.Request) -> web.Response:
         "captured_buckets": captured_buckets(summary),
         "warmup": summary,
         "stats": engine.last_stats,
+        "prefix_cache": prefix_cache_info(engine.last_stats),
         "counters": counters.snapshot(),
         "in_flight": len(engine.streams),
         "steps": engine.steps,
@@ -263,6 +264,7 @@ async def _serve_prefill(state: ServerState, req: GenerationRequest, chat: bool)
         raise APIError(503, "the prefill produced no token", code="engine_unavailable")
     logprob = first.logprobs[0] if first.logprobs else None
     handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob)
+    handle.cached_tokens = deltas[-1].cached_tokens
     body = _Formatter(state.tokenizer, request_id, req, chat).full(deltas)
     body["kv_transfer"] = handle.to_dict()
     return web.json_response(body)
@@ -308,7 +310,7 @@ async def _serve_decode(
         except BaseException:  # our client left mid-pull: free the blocks on the prefill now
             state.kv.release_soon(handle)
             raise
-    pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob)
+    pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob, handle.cached_tokens)
     return await _serve(request, state, req, chat, prefilled=pre)
 
 
@@ -377,11 +379,12 @@ class _Formatter:
         self.tok, self.id, self.req, self.chat = tokenizer, request_id, req, chat
         self.created = int(time.time())
 
-    def _usage(self, d: Delta) -> dict[str, int]:
+    def _usage(self, d: Delta) -> dict[str, Any]:
         return {
             "prompt_tokens": d.prompt_tokens,
             "completion_tokens": d.completion_tokens,
             "total_tokens": d.prompt_tokens + d.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
         }
 
     def _logprobs(

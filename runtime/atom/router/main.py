@@ -18,6 +18,7 @@ from dataclasses import fields
 from aiohttp import web
 
 from atom.entrypoints.body import RUNNER_KWARGS
+from atom.router.policy import RoutingPolicy
 from atom.router.proxy import RouterSettings, create_router_app
 
 
@@ -46,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1/* (default $ATOM_API_KEY; unset: open)",
+    )
+    parser.add_argument(
+        "--routing-policy",
+        choices=[p.value for p in RoutingPolicy],
+        default=RoutingPolicy.PREFIX.value,
+        help="how a prefill instance is picked: prefix (the one that most recently served the "
+        "longest matching prompt prefix, bounded by outstanding requests) or least-outstanding",
     )
     d = RouterSettings()
     for flag, default, text in (

@@ -40,6 +40,7 @@ from atom.entrypoints.kv_release import RELEASE_PATH
 from atom.entrypoints.middleware import json_errors
 from atom.router.health import health_loop, probe_pool
 from atom.router.metrics import RouterMetrics
+from atom.router.policy import Picker, prefix_keys
 from atom.router.pool import Instance, Pool, Resolver, bounded, resolve_dns
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class RouterSettings:
     read_timeout: float = 600.0  # silence allowed while a decode instance generates
     internal_token: str | None = None  # default: $ATOM_INTERNAL_TOKEN (required)
     api_key: str | None = None  # default: $ATOM_API_KEY; None: /v1/* is open
+    routing_policy: str = "prefix"  # prefill instances: prefix | least-outstanding (policy.py)
 
     @property
     def busy_window(self) -> float:
@@ -198,6 +200,7 @@ class Router:
         self.token = token
         self.api_key = self.settings.api_key or os.environ.get(API_KEY_ENV, "").strip() or None
         self.metrics = RouterMetrics([prefill, decode])
+        self.picker = Picker(self.settings.routing_policy, self.metrics.registry)
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
@@ -261,10 +264,13 @@ class Router:
             self.metrics.queue.dec()
         raise Unavailable(pool.role, pool.unavailable_reason(), "no_backend")
 
-    async def _pick(self, pool: Pool, tried: set[Instance]) -> Instance:
-        """An instance in rotation not tried yet (waiting for one if none is in rotation)."""
+    async def _pick(
+        self, pool: Pool, tried: set[Instance], keys: list[bytes] | None = None
+    ) -> Instance:
+        """An instance in rotation not tried yet (waiting for one if none is in rotation);
+        keys: the request's prefix keys (the routing policy, policy.py)."""
         await self.await_rotation(pool)
-        inst = pool.pick(tried)
+        inst = self.picker.pick(pool, tried, keys)
         if inst is None:
             raise Unavailable(
                 pool.role, f"every {pool.role} instance declined the request", "no_backend"
@@ -291,10 +297,11 @@ class Router:
     ) -> tuple[Instance, dict[str, Any]] | web.Response:
         """(instance, KV handle), or the prefill's own 4xx answer (the client's error)."""
         pbody = _prefill_body(body)
+        keys = prefix_keys(body)
         tried: set[Instance] = set()
         with self.metrics.prefill_seconds.time():
             while True:
-                inst = await self._pick(self.prefill, tried)
+                inst = await self._pick(self.prefill, tried, keys)
                 tried.add(inst)
                 try:
                     with self.prefill.busy(inst):
