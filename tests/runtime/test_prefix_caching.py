@@ -437,13 +437,15 @@ def test_cuda_graphs_same_tokens_with_caching(level: int, mode: str) -> None:
             prefix,
             device="cuda",
             max_num_seqs=8,
-            num_kv_blocks=None,
-            gpu_memory_utilization=0.3,
+            # a fixed pool: two engines of one process would otherwise each size theirs from
+            # what the other left free
+            num_kv_blocks=512,
             compilation_config=cc,
         )
 
     waves = [*WAVES, [("g1", SYSTEM + [11]), ("g2", SYSTEM[:32] + [12])]]
     off = _run_waves(make(False), waves)
+    torch.cuda.empty_cache()
     with counters.track() as run:
         on = _run_waves(make(True), waves)
     assert on == off
