@@ -37,7 +37,7 @@ from atomd_e2e import (  # noqa: E402
 
 from atom_operator import builders  # noqa: E402
 from atom_operator.builders import Owner  # noqa: E402
-from atom_operator.devcluster import LocalCluster  # noqa: E402
+from atom_devtools.devcluster import LocalCluster  # noqa: E402
 from atom_operator.kube import Kube  # noqa: E402
 from atom_operator.models import AtomDeploymentSpec  # noqa: E402
 from atom_operator.snapshot import Snapshot, deployment_complete  # noqa: E402

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from atom_operator.devcluster.cluster import LocalCluster
+    from atom_devtools.devcluster.cluster import LocalCluster
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,7 +30,7 @@ def cluster() -> Iterator[LocalCluster]:
 
     Missing binaries fail the tests with the provisioning message: never a skip.
     """
-    from atom_operator.devcluster import ClusterError, LocalCluster, ProvisionError
+    from atom_devtools.devcluster import ClusterError, LocalCluster, ProvisionError
 
     try:
         local = LocalCluster()

@@ -24,6 +24,7 @@ GRAPH_MODES: tuple[str, ...] = GraphMode.__args__  # type: ignore[attr-defined]
 Level = Literal[0, 1, 2, 3]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Dtype = Literal["bfloat16", "float16", "float32", "auto"]
+Device = Literal["gpu", "cpu"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
 
 MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
@@ -47,6 +48,19 @@ def _sizes_rule(path: str) -> dict[str, str]:
         "message": f"every size in {path} must be at most engine.maxNumSeqs",
         "fieldPath": f".{path}",
         "reason": "FieldValueInvalid",
+    }
+
+
+def _cpu_graph_rule(path: str) -> dict[str, str]:
+    """CEL: on device cpu a graph mode set in `path` must be NONE (CUDA graphs need a GPU)."""
+    parts = f"{path}.cudagraphMode".split(".")
+    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    return {
+        "rule": f"!(has(self.device) && self.device == 'cpu' && {guards}) "
+        f"|| self.{path}.cudagraphMode == 'NONE'",
+        "message": f"device cpu runs no CUDA graphs: {path}.cudagraphMode must be NONE or unset",
+        "fieldPath": f".{path}.cudagraphMode",
+        "reason": "FieldValueForbidden",
     }
 
 
@@ -254,6 +268,9 @@ class AtomDeploymentSpec(_Base):
                 _sizes_rule("compilation.cudagraphCaptureSizes"),
                 _sizes_rule("disaggregation.prefill.compilation.cudagraphCaptureSizes"),
                 _sizes_rule("disaggregation.decode.compilation.cudagraphCaptureSizes"),
+                _cpu_graph_rule("compilation"),
+                _cpu_graph_rule("disaggregation.prefill.compilation"),
+                _cpu_graph_rule("disaggregation.decode.compilation"),
             ]
         }
     )
@@ -264,6 +281,13 @@ class AtomDeploymentSpec(_Base):
         description="Runtime image (default: the operator's ATOM_OPERATOR_DEFAULT_IMAGE).",
     )
     model: ModelSource = Field(description="The model to serve.")
+    device: Device = Field(
+        default="gpu",
+        description="Where the runtime runs: gpu (one nvidia.com/gpu per pod by default) or cpu "
+        "(no GPU requested, --device cpu, graph mode NONE: an unset mode, and the decode role's "
+        "FULL_DECODE_ONLY default, resolve to NONE; any other mode set on cpu is refused). "
+        "Part of the compile-cache key.",
+    )
     engine: EngineSpec = Field(
         default_factory=EngineSpec, description="Engine limits.", json_schema_extra={"default": {}}
     )

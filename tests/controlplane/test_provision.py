@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from atom_operator.devcluster import LocalCluster, ProvisionError, cache, gotool, install, versions
-from atom_operator.devcluster.provision import check_version
+from atom_devtools.devcluster import LocalCluster, ProvisionError, cache, gotool, install, versions
+from atom_devtools.devcluster.provision import check_version
 
 
 def test_second_install_is_fast_and_complete():

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from atom_operator.demo import (
+from atom_devtools.demo import (
     Kubectl,
     LocalOperator,
     install_crd,
@@ -44,7 +44,7 @@ def atomdeployments(path: Path) -> list[dict[str, Any]]:
 
 
 def helm_bin() -> str | None:
-    from atom_operator.devcluster.cache import HELM
+    from atom_devtools.devcluster.cache import HELM
 
     return str(HELM.path()) if HELM.is_installed() else None
 

@@ -10,6 +10,9 @@ from atom_operator.builders.common import Owner, metadata
 from atom_operator.models import AtomDeploymentSpec
 
 DEFAULT_RESOURCES: dict[str, Any] = {"limits": {"nvidia.com/gpu": 1}}
+# device cpu: a small request, so a few pods fit one real node (no GPU is ever requested).
+DEFAULT_CPU_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "1Gi"}}
+GPU_RESOURCE = "nvidia.com/gpu"
 RUNTIME_UID = 1000
 PROBE_PERIOD_S = 10
 
@@ -29,11 +32,24 @@ def container_security_context() -> dict[str, Any]:
 
 
 def role_resources(spec: AtomDeploymentSpec, role: str) -> dict[str, Any]:
+    if spec.device == "cpu":
+        return _without_gpu(_requested_resources(spec, role, DEFAULT_CPU_RESOURCES))
+    return _requested_resources(spec, role, DEFAULT_RESOURCES)
+
+
+def _without_gpu(resources: dict[str, Any]) -> dict[str, Any]:
+    return {kind: {k: v for k, v in amounts.items() if k != GPU_RESOURCE}
+            for kind, amounts in resources.items() if isinstance(amounts, dict)}
+
+
+def _requested_resources(
+    spec: AtomDeploymentSpec, role: str, default: dict[str, Any]
+) -> dict[str, Any]:
     if spec.disaggregation is not None and role in (naming.PREFILL, naming.DECODE):
         own = getattr(spec.disaggregation, role).resources
         if own is not None:
             return own
-    return spec.resources if spec.resources is not None else DEFAULT_RESOURCES
+    return spec.resources if spec.resources is not None else default
 
 
 def cache_dir(spec: AtomDeploymentSpec, key: str) -> str | None:

@@ -89,7 +89,7 @@ class _Child:
     name = "child"
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
-        from atom_operator.devcluster.procs import Process
+        from atom_devtools.devcluster.procs import Process
 
         self.log_path = log_path
         self.proc = Process(self.name, argv, log_path, env=env)
@@ -114,7 +114,7 @@ class _Child:
         self.proc.start()
 
     def stop(self, grace: float = 20) -> None:
-        from atom_operator.devcluster.procs import stop_all
+        from atom_devtools.devcluster.procs import stop_all
 
         stop_all([self.proc], grace=grace)  # SIGTERM (both shut down in order), then SIGKILL
 
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace, printer: Printer, pids: list[int]) -> None:
     """The demo's steps; `pids` collects every process group started, for the final check."""
     from openai import OpenAI
 
-    from atom_operator.devcluster import LocalCluster
+    from atom_devtools.devcluster import LocalCluster
 
     example = Path(args.example).resolve()
     manifest = yaml.safe_load(example.read_text())
