@@ -19,16 +19,19 @@ ARG UID=10001
 FROM ${PYTHON_BASE} AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY runtime/ runtime/
-COPY operator/ operator/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# Dependencies first, from pyproject.toml alone: a change to the sources reuses this layer.
+COPY pyproject.toml ./
 # The operator never imports torch: install the pinned dependencies without it, so the
 # operator image stays a few hundred MB instead of several GB.
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/operator-requirements.txt \
  && python -m venv /opt/venv \
- && /opt/venv/bin/pip install -r /tmp/operator-requirements.txt \
- && /opt/venv/bin/pip install --no-deps /wheels/*.whl
+ && /opt/venv/bin/pip install -r /tmp/operator-requirements.txt
+COPY README.md ./
+COPY runtime/ runtime/
+COPY operator/ operator/
+RUN pip wheel --no-deps --wheel-dir /wheels .
+# hadolint ignore=DL3059
+RUN /opt/venv/bin/pip install --no-deps /wheels/*.whl
 
 # ---------------------------------------------------------------------------------------
 # runtime: the inference engine (atom-runtime serve|warmup, atom-router)

@@ -15,6 +15,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+        if "real_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.realnode)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items:
         import torch  # only when a gpu test is collected: keeps collection light otherwise

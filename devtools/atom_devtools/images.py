@@ -64,19 +64,22 @@ def _log() -> Path:
     return images_dir() / "build.log"
 
 
-def _run(cmd: list[str], what: str, **kw: object) -> str:
+def _run(cmd: list[str], what: str, capture: bool = False) -> str:
+    """Run one step with its output in the build log (stdout returned when `capture`)."""
     log = _log()
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with log.open("a") as fh:
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=fh, text=True, **kw)
-        fh.write(proc.stdout)
+        out = subprocess.PIPE if capture else fh
+        proc = subprocess.run(cmd, stdout=out, stderr=fh, text=True)
+        if capture:
+            fh.write(proc.stdout)
     if proc.returncode != 0:
         raise ProvisionError(f"{what} failed (exit {proc.returncode}); log {log}:\n{tail(log)}")
     print(f"  {what}: {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
-    return proc.stdout
+    return proc.stdout if capture else ""
 
 
 def _digest(parts: Iterable[bytes]) -> str:
@@ -122,8 +125,8 @@ class Buildah:
             "overlay",
         ]
 
-    def __call__(self, *args: str, what: str) -> str:
-        return _run([self.bin, *self.flags, *args], what)
+    def __call__(self, *args: str, what: str, capture: bool = False) -> str:
+        return _run([self.bin, *self.flags, *args], what, capture)
 
     def exists(self, ref: str) -> bool:
         proc = subprocess.run(
@@ -169,7 +172,7 @@ def python_base(b: Buildah) -> str:
         return ref
     tarball = images_dir() / "python-base.tar"
     _run([*argv, str(tarball)], f"mmdebstrap of {versions.DEBIAN_SUITE} (python base)")
-    ctr = b("from", "scratch", what="buildah from scratch").strip()
+    ctr = b("from", "scratch", what="buildah from scratch", capture=True).strip()
     try:
         b("add", ctr, str(tarball), "/", what="rootfs into the python base")
         b(
@@ -197,21 +200,25 @@ def python_base(b: Buildah) -> str:
 
 
 def _torch_closure() -> list[md.Distribution]:
-    """torch and every distribution it requires (markers evaluated for this interpreter)."""
+    """torch and every distribution it requires, extras followed (markers evaluated here)."""
     from packaging.requirements import Requirement
 
     seen: dict[str, md.Distribution] = {}
-    todo = ["torch"]
+    extras_seen: dict[str, set[str]] = {}
+    todo: list[tuple[str, frozenset[str]]] = [("torch", frozenset())]
     while todo:
-        name = todo.pop().lower().replace("_", "-")
-        if name in seen:
+        raw, extras = todo.pop()
+        name = raw.lower().replace("_", "-")
+        if name in seen and extras <= extras_seen[name]:
             continue
-        dist = md.distribution(name)
+        dist = seen.get(name) or md.distribution(name)
         seen[name] = dist
+        extras_seen[name] = extras_seen.get(name, set()) | extras
         for spec in dist.requires or []:
             req = Requirement(spec)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+            wanted = [""] + sorted(extras)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in wanted):
+                todo.append((req.name, frozenset(req.extras)))
     return sorted(seen.values(), key=lambda d: d.metadata["Name"].lower())
 
 
@@ -222,9 +229,11 @@ def cpu_base(b: Buildah, python: str) -> str:
     ref = f"localhost/atom-cpu-base:{_digest([python.encode(), *(p.encode() for p in pins)])}"
     if b.exists(ref):
         return ref
-    ctr = b("from", "--pull=false", python, what="buildah from the python base").strip()
+    ctr = b(
+        "from", "--pull=false", python, what="buildah from the python base", capture=True
+    ).strip()
     try:
-        mount = Path(b("mount", ctr, what="buildah mount").strip())
+        mount = Path(b("mount", ctr, what="buildah mount", capture=True).strip())
         site = mount / SITE.lstrip("/")
         site.mkdir(parents=True, exist_ok=True)
         for dist in dists:

@@ -314,14 +314,14 @@ class AtomDeploymentSpec(_Base):
         "Container resources of runtime pods (default: one nvidia.com/gpu)."
     )
     node_selector: dict[str, str] | None = Field(
-        default=None, description="Node selector of runtime pods."
+        default=None, description="Node selector of runtime pods (and of the router's)."
     )
     tolerations: list[dict[str, Any]] | None = Field(
         default=None,
-        description="Tolerations of runtime pods.",
+        description="Tolerations of runtime pods (and of the router's).",
         json_schema_extra={"items": {"type": "object", **_OPAQUE}},
     )
-    affinity: dict[str, Any] | None = _opaque_object("Affinity of runtime pods.")
+    affinity: dict[str, Any] | None = _opaque_object("Affinity of runtime pods (and of the router's).")
     env: list[dict[str, Any]] | None = Field(
         default=None,
         description="Extra environment variables (EnvVar objects) of runtime pods.",

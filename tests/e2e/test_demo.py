@@ -15,7 +15,8 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = [sys.executable, "-m", "atom_devtools.demo", "--timeout", "240"]
+# The kwok-only loop (tests/realnode/test_demo_real.py runs the default, real-node one).
+DEMO = [sys.executable, "-m", "atom_devtools.demo", "--kwok", "--timeout", "240"]
 
 
 @pytest.fixture(autouse=True)

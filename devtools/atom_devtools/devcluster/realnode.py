@@ -119,7 +119,7 @@ class RealNode:
         """Import an OCI archive unless `ref` is present already; True when imported."""
         if ref in self.images():
             return False
-        self.ctr("images", "import", "--digests", str(archive))
+        self.ctr("images", "import", str(archive))
         if ref not in self.images():
             raise ClusterError(f"importing {archive} did not give {ref}: {sorted(self.images())}")
         return True

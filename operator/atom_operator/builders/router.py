@@ -42,6 +42,16 @@ def build_router_deployment(
     if router.resources is not None:
         container["resources"] = router.resources
     labels = naming.labels(owner.name, "router", naming.ROUTER, serving_revision)
+    pod: dict[str, Any] = {
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "enableServiceLinks": False,
+    }
+    # The router goes where its runtime pods may go (a tainted or dedicated pool included).
+    for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations),
+                       ("affinity", spec.affinity)):
+        if value:
+            pod[key] = value
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -59,13 +69,6 @@ def build_router_deployment(
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
             "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "securityContext": pod_security_context(),
-                    "containers": [container],
-                    "enableServiceLinks": False,
-                },
-            },
+            "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }
