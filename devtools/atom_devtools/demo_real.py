@@ -124,7 +124,7 @@ def run_real(args: argparse.Namespace, printer: Printer, pids: list[int]) -> Non
         printer.detail(kubectl("get", "nodes").stdout)
         start = time.monotonic()
         for image in images.values():
-            cluster.node.import_image(image.archive, image.ref)
+            cluster.node.import_image(image.layout, image.ref)
         printer.detail(f"images in the node's containerd ({time.monotonic() - start:.0f}s)")
 
         printer.step(f"Installing the operator with Helm ({_relative(CHART)}): a real pod on the "

@@ -6,11 +6,11 @@
   in: the Dockerfile's RUNTIME_BASE for a CPU runtime (no CUDA base can be pulled here; GPU
   images keep building from the CUDA bases elsewhere).
 - `localhost/atom-operator:<hash>` and `localhost/atom-runtime:cpu-<hash>`: the Dockerfile's
-  `operator` and `runtime` targets, exported as OCI archives into the cache.
+  `operator` and `runtime` targets, exported as OCI image layouts into the cache.
 
 Every image is tagged with a hash of its inputs (the build context's files, the Dockerfile,
 the base's hash), so a second build with unchanged inputs does nothing. The real node imports
-the archives into its containerd (whose image store persists in the cache) when it starts.
+the layouts into its containerd (whose image store persists in the cache).
 """
 
 from __future__ import annotations
@@ -45,15 +45,16 @@ BASE_PACKAGES = (
     "passwd",
 )
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+REF_NAME = "org.opencontainers.image.ref.name"
 SITE = "/usr/local/lib/python3.11/dist-packages"
 
 
 @dataclass(frozen=True)
 class Image:
-    """One built image: its reference and the OCI archive the node imports."""
+    """One built image: its reference and the OCI image layout (a directory) the node imports."""
 
     ref: str
-    archive: Path
+    layout: Path
 
 
 def images_dir() -> Path:
@@ -134,20 +135,45 @@ class Buildah:
         )
         return proc.returncode == 0
 
-    def export(self, ref: str, archive: Path) -> Image:
-        if not archive.is_file():
-            tmp = archive.with_suffix(".tmp")
-            tmp.unlink(missing_ok=True)
-            self(
-                "push",
-                "--disable-compression",
-                "--quiet",
-                ref,
-                f"oci-archive:{tmp}:{ref}",
-                what=f"export of {ref}",
-            )
-            tmp.rename(archive)
-        return Image(ref, archive)
+    def export(self, ref: str, layout: Path) -> Image:
+        """Into an OCI layout directory: blobs already there are not written again, so a new
+        tag of a 4 GB image costs only its new layers."""
+        if _layout_ref(layout) != ref:
+            self("push", "--disable-compression", "--quiet", ref, f"oci:{layout}:{ref}",
+                 what=f"export of {ref}")  # fmt: skip
+            _keep_only(layout, ref)
+        return Image(ref, layout)
+
+
+def _layout_ref(layout: Path) -> str | None:
+    try:
+        index = json.loads((layout / "index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = [m.get("annotations", {}).get(REF_NAME) for m in index.get("manifests", [])]
+    return names[0] if len(names) == 1 else None
+
+
+def _keep_only(layout: Path, ref: str) -> None:
+    """Index only `ref` and drop the blobs no longer reachable from it (older tags)."""
+    index = json.loads((layout / "index.json").read_text())
+    index["manifests"] = [m for m in index["manifests"]
+                          if m.get("annotations", {}).get(REF_NAME) == ref]  # fmt: skip
+    (layout / "index.json").write_text(json.dumps(index))
+    blobs = layout / "blobs" / "sha256"
+    keep: set[str] = set()
+    manifests = [m["digest"] for m in index["manifests"]]
+    while manifests:  # indexes and manifests are JSON; configs and layers are only kept
+        digest = manifests.pop().split(":", 1)[1]
+        keep.add(digest)
+        doc = json.loads((blobs / digest).read_bytes())
+        manifests += [m["digest"] for m in doc.get("manifests", [])]
+        keep.update(d["digest"].split(":", 1)[1] for d in doc.get("layers", []))
+        if "config" in doc:
+            keep.add(doc["config"]["digest"].split(":", 1)[1])
+    for blob in blobs.iterdir():
+        if blob.name not in keep:
+            blob.unlink()
 
 
 def python_base(b: Buildah) -> str:
@@ -283,7 +309,7 @@ def _bud(b: Buildah, target: str, ref: str, build_args: dict[str, str]) -> None:
 
 
 def build(targets: Iterable[str] = ("operator", "runtime")) -> dict[str, Image]:
-    """Build (or find) each image and its archive; returns {target: Image}."""
+    """Build (or find) each image and its OCI layout; returns {target: Image}."""
     b = Buildah()
     out = images_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -297,38 +323,27 @@ def build(targets: Iterable[str] = ("operator", "runtime")) -> dict[str, Image]:
         elif target == "runtime":
             base = cpu_base(b, python)
             ref = f"localhost/atom-runtime:cpu-{_digest([ctx.encode(), base.encode()])}"
-            _bud(b, "runtime", ref, {"PYTHON_BASE": python, "RUNTIME_BASE": base})
+            _bud(b, "runtime", ref,
+                 {"PYTHON_BASE": python, "RUNTIME_BASE": base, "SOURCE_HASH": ctx})  # fmt: skip
         else:
             raise ProvisionError(f"unknown image target {target!r} (operator, runtime)")
-        name = ref.split("/", 1)[1].replace(":", "-")
-        result[target] = b.export(ref, out / f"{name}.tar")
-    _prune(out, {img.archive for img in result.values()})
-    (out / "current.json").write_text(
-        json.dumps(
-            {t: {"ref": i.ref, "archive": str(i.archive)} for t, i in result.items()}, indent=2
-        )
-    )
+        name = ref.split("/", 1)[1].split(":", 1)[0]
+        result[target] = b.export(ref, out / name)
+    current = {t: {"ref": i.ref, "layout": str(i.layout)} for t, i in result.items()}
+    (out / "current.json").write_text(json.dumps(current, indent=2))
     return result
 
 
-def _prune(out: Path, keep: set[Path]) -> None:
-    """Archives of older inputs go: each is up to a few GB."""
-    prefixes = {a.name.rsplit("-", 1)[0] for a in keep}
-    for archive in out.glob("*.tar"):
-        if archive not in keep and archive.name.rsplit("-", 1)[0] in prefixes:
-            archive.unlink(missing_ok=True)
-
-
 def current() -> dict[str, Image]:
-    """The images the last build made (what a real node imports at start)."""
+    """The images the last build made."""
     try:
         data = json.loads((images_dir() / "current.json").read_text())
     except (OSError, ValueError):
         return {}
     return {
-        t: Image(v["ref"], Path(v["archive"]))
+        t: Image(v["ref"], Path(v["layout"]))
         for t, v in data.items()
-        if Path(v["archive"]).is_file()
+        if _layout_ref(Path(v["layout"])) == v["ref"]
     }
 
 
@@ -348,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for target, image in images.items():
-        size = image.archive.stat().st_size / 2**20
-        print(f"{target:<9} {image.ref}  {image.archive} ({size:.0f} MiB)")
+        size = sum(f.stat().st_size for f in image.layout.rglob("*") if f.is_file()) / 2**20
+        print(f"{target:<9} {image.ref}  {image.layout} ({size:.0f} MiB)")
     print(f"images ready in {time.monotonic() - start:.1f}s")
     return 0
 

@@ -46,7 +46,7 @@ def real_cluster(real_images: dict[str, Any]) -> Iterator[Any]:
     try:
         cluster.start()
         for image in real_images.values():
-            cluster.node.import_image(image.archive, image.ref)
+            cluster.node.import_image(image.layout, image.ref)
     except (ProvisionError, ClusterError) as exc:
         cluster.stop()
         pytest.fail(str(exc), pytrace=False)

@@ -112,16 +112,32 @@ class RealNode:
             raise ClusterError(f"ctr {' '.join(args)} failed: {proc.stderr.strip()[-800:]}")
         return proc
 
+    def _ctr_argv(self, *args: str) -> list[str]:
+        return [str(cache.CONTAINERD.path("ctr")), "--address", str(self.socket),
+                "--namespace", "k8s.io", *args]  # fmt: skip
+
     def images(self) -> set[str]:
         return set(self.ctr("images", "ls", "-q").stdout.split())
 
-    def import_image(self, archive: Path, ref: str) -> bool:
-        """Import an OCI archive unless `ref` is present already; True when imported."""
+    def import_image(self, source: Path, ref: str) -> bool:
+        """Import an OCI archive or image layout directory unless `ref` is there already;
+        True when imported. A layout streams in as a tar (no archive written to disk)."""
         if ref in self.images():
             return False
-        self.ctr("images", "import", str(archive))
+        if source.is_dir():
+            tar = subprocess.Popen(["tar", "-C", str(source), "-cf", "-", "."],
+                                   stdout=subprocess.PIPE)  # fmt: skip
+            try:
+                proc = subprocess.run(self._ctr_argv("images", "import", "-"), stdin=tar.stdout,
+                                      capture_output=True, text=True, timeout=1800)  # fmt: skip
+            finally:
+                tar.wait()
+            if proc.returncode != 0:
+                raise ClusterError(f"importing {source} failed: {proc.stderr.strip()[-800:]}")
+        else:
+            self.ctr("images", "import", str(source))
         if ref not in self.images():
-            raise ClusterError(f"importing {archive} did not give {ref}: {sorted(self.images())}")
+            raise ClusterError(f"importing {source} did not give {ref}: {sorted(self.images())}")
         return True
 
     # --- startup -----------------------------------------------------------------------------
