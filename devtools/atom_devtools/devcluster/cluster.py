@@ -166,7 +166,9 @@ class LocalCluster:
         if self.real_node:
             self.node = RealNode(self._path(), self.kubeconfig, self._spawn, self._wait,
                                  node_ports)
-        self.server = f"https://127.0.0.1:{api_port}"
+        # The API server's self-signed certificate names its advertised address (and not
+        # 127.0.0.1 when that is the node's): clients use the address it names.
+        self.server = f"https://{self.node.ip if self.node else '127.0.0.1'}:{api_port}"
         _sa_key(self._path("sa.key"))
         self._path("tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
         etcd = f"http://127.0.0.1:{etcd_port}"

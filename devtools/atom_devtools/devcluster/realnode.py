@@ -46,7 +46,7 @@ def node_ip() -> str:
     """The address of the default route's interface (pods reach the API server there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            sock.connect(("192.0.2.255", 9))  # no packet is sent: this only picks a route
+            sock.connect(("198.51.100.1", 9))  # UDP: no packet is sent, this only picks a route
         except OSError as exc:
             raise ClusterError(f"the real node needs a default route: {exc}") from exc
         ip = sock.getsockname()[0]
