@@ -45,6 +45,9 @@ RUN pip install -r /tmp/requirements.txt \
  && useradd --uid "${UID}" --user-group --create-home --shell /usr/sbin/nologin atom \
  && mkdir -p /models /var/cache/atom \
  && chown atom:atom /models /var/cache/atom
+# Pods may run as any uid (the operator renders its own runAsUser): without a passwd entry,
+# getpass.getuser() (torch.compile's cache directory) fails unless USER names someone.
+ENV USER=atom LOGNAME=atom
 # Layer caches need not key a bind mount on the mounted stage's content: hack/images passes
 # the build context's hash here, so new sources always reinstall the wheel.
 ARG SOURCE_HASH=""

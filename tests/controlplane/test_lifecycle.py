@@ -118,7 +118,7 @@ def test_children_die_with_a_killed_launcher(tmp_path):
               "c = LocalCluster(nodes=1); c.start(); print(c.dir, flush=True); time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=str(REPO / "operator")))
+                            env=dict(os.environ, PYTHONPATH=str(REPO / "devtools")))
     assert proc.stdout is not None
     workdir = proc.stdout.readline().strip()
     assert workdir and len(_processes_mentioning(workdir)) == 5
