@@ -321,7 +321,9 @@ class AtomDeploymentSpec(_Base):
         description="Tolerations of runtime pods (and of the router's).",
         json_schema_extra={"items": {"type": "object", **_OPAQUE}},
     )
-    affinity: dict[str, Any] | None = _opaque_object("Affinity of runtime pods (and of the router's).")
+    affinity: dict[str, Any] | None = _opaque_object(
+        "Affinity of runtime pods (and of the router's)."
+    )
     env: list[dict[str, Any]] | None = Field(
         default=None,
         description="Extra environment variables (EnvVar objects) of runtime pods.",

@@ -48,8 +48,11 @@ def build_router_deployment(
         "enableServiceLinks": False,
     }
     # The router goes where its runtime pods may go (a tainted or dedicated pool included).
-    for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations),
-                       ("affinity", spec.affinity)):
+    for key, value in (
+        ("nodeSelector", spec.node_selector),
+        ("tolerations", spec.tolerations),
+        ("affinity", spec.affinity),
+    ):
         if value:
             pod[key] = value
     return {

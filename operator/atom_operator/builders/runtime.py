@@ -38,8 +38,11 @@ def role_resources(spec: AtomDeploymentSpec, role: str) -> dict[str, Any]:
 
 
 def _without_gpu(resources: dict[str, Any]) -> dict[str, Any]:
-    return {kind: {k: v for k, v in amounts.items() if k != GPU_RESOURCE}
-            for kind, amounts in resources.items() if isinstance(amounts, dict)}
+    return {
+        kind: {k: v for k, v in amounts.items() if k != GPU_RESOURCE}
+        for kind, amounts in resources.items()
+        if isinstance(amounts, dict)
+    }
 
 
 def _requested_resources(
