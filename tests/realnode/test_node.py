@@ -89,3 +89,20 @@ def test_helm_test_passes(operator_release: str, kubectl: Kubectl) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     # the test pod (deleted once it succeeded) called the operator's /healthz through its Service
     assert "Phase:          Succeeded" in result.stdout, result.stdout
+
+
+def test_the_api_server_refuses_graph_modes_on_cpu(operator_release: str, kubectl: Kubectl) -> None:
+    """The CRD's CEL rule, evaluated by the real API server (a server-side dry run)."""
+    manifest = {
+        "apiVersion": "atom.dev/v1alpha1",
+        "kind": "AtomDeployment",
+        "metadata": {"name": "cpu-graphs", "namespace": "default"},
+        "spec": {"device": "cpu", "model": {"name": "tiny-llama", "loadFormat": "dummy"},
+                 "compilation": {"level": 3, "cudagraphMode": "TR_HYBRID"}},
+    }  # fmt: skip
+    refused = kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(manifest),
+                      check=False)  # fmt: skip
+    assert refused.returncode != 0
+    assert "device cpu runs no CUDA graphs" in refused.stderr, refused.stderr
+    manifest["spec"]["compilation"]["cudagraphMode"] = "NONE"
+    kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(manifest))
