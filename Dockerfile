@@ -19,29 +19,41 @@ ARG UID=10001
 FROM ${PYTHON_BASE} AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY runtime/ runtime/
-COPY operator/ operator/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# Dependencies first, from pyproject.toml alone: a change to the sources reuses this layer.
+COPY pyproject.toml ./
 # The operator never imports torch: install the pinned dependencies without it, so the
 # operator image stays a few hundred MB instead of several GB.
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/operator-requirements.txt \
  && python -m venv /opt/venv \
- && /opt/venv/bin/pip install -r /tmp/operator-requirements.txt \
- && /opt/venv/bin/pip install --no-deps /wheels/*.whl
+ && /opt/venv/bin/pip install -r /tmp/operator-requirements.txt
+COPY README.md ./
+COPY runtime/ runtime/
+COPY operator/ operator/
+RUN pip wheel --no-deps --wheel-dir /wheels .
+# hadolint ignore=DL3059
+RUN /opt/venv/bin/pip install --no-deps /wheels/*.whl
 
 # ---------------------------------------------------------------------------------------
 # runtime: the inference engine (atom-runtime serve|warmup, atom-router)
 FROM ${RUNTIME_BASE} AS runtime
 ARG UID
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
-# The wheel is bind-mounted, not copied, so it adds no layer. torch==2.11.0 is already
-# satisfied by the base image; pip only adds the small pure-Python dependencies.
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install /wheels/*.whl \
+# Dependencies first (everything but torch, which the base image carries at the pinned
+# version), so a change to the sources alone reuses this layer.
+COPY --from=builder /tmp/operator-requirements.txt /tmp/requirements.txt
+RUN pip install -r /tmp/requirements.txt \
  && useradd --uid "${UID}" --user-group --create-home --shell /usr/sbin/nologin atom \
  && mkdir -p /models /var/cache/atom \
  && chown atom:atom /models /var/cache/atom
+# Pods may run as any uid (the operator renders its own runAsUser): without a passwd entry,
+# getpass.getuser() (torch.compile's cache directory) fails unless USER names someone.
+ENV USER=atom LOGNAME=atom
+# Layer caches need not key a bind mount on the mounted stage's content: hack/images passes
+# the build context's hash here, so new sources always reinstall the wheel.
+ARG SOURCE_HASH=""
+# The wheel is bind-mounted, not copied, so it adds no layer of its own.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    pip install --no-deps /wheels/*.whl
 # /models: model weights (a PVC, hostPath or image volume); /var/cache/atom: the shared
 # compile cache (the operator passes --compile-cache-dir /var/cache/atom/<key>).
 VOLUME ["/models", "/var/cache/atom"]

@@ -22,7 +22,7 @@ from typing import Any
 
 from atom_operator import builders
 from atom_operator.builders import Owner
-from atom_operator.devcluster import LocalCluster
+from atom_devtools.devcluster import LocalCluster
 from atom_operator.kube import Kube
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot, deployment_complete

@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from atom_operator.devcluster.cluster import LocalCluster
+    from atom_devtools.devcluster.cluster import LocalCluster
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+        if "real_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.realnode)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items:
         import torch  # only when a gpu test is collected: keeps collection light otherwise
@@ -30,7 +32,7 @@ def cluster() -> Iterator[LocalCluster]:
 
     Missing binaries fail the tests with the provisioning message: never a skip.
     """
-    from atom_operator.devcluster import ClusterError, LocalCluster, ProvisionError
+    from atom_devtools.devcluster import ClusterError, LocalCluster, ProvisionError
 
     try:
         local = LocalCluster()

@@ -25,6 +25,7 @@ Level = Literal[0, 1, 2, 3]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Dtype = Literal["bfloat16", "float16", "float32", "auto"]
 RoutingPolicy = Literal["prefix", "least-outstanding"]
+Device = Literal["gpu", "cpu"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
 
 MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
@@ -109,6 +110,19 @@ def root_rules() -> list[dict[str, str]]:
             "reason": "FieldValueInvalid",
         },
     ]
+
+
+def _cpu_graph_rule(path: str) -> dict[str, str]:
+    """CEL: on device cpu a graph mode set in `path` must be NONE (CUDA graphs need a GPU)."""
+    parts = f"{path}.cudagraphMode".split(".")
+    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    return {
+        "rule": f"!(has(self.device) && self.device == 'cpu' && {guards}) "
+        f"|| self.{path}.cudagraphMode == 'NONE'",
+        "message": f"device cpu runs no CUDA graphs: {path}.cudagraphMode must be NONE or unset",
+        "fieldPath": f".{path}.cudagraphMode",
+        "reason": "FieldValueForbidden",
+    }
 
 
 class _Base(BaseModel):
@@ -381,6 +395,9 @@ class AtomDeploymentSpec(_Base):
                     "reason": "FieldValueForbidden",
                 },
                 *size_rules(),
+                _cpu_graph_rule("compilation"),
+                _cpu_graph_rule("disaggregation.prefill.compilation"),
+                _cpu_graph_rule("disaggregation.decode.compilation"),
             ]
         }
     )
@@ -391,6 +408,13 @@ class AtomDeploymentSpec(_Base):
         description="Runtime image (default: the operator's ATOM_OPERATOR_DEFAULT_IMAGE).",
     )
     model: ModelSource = Field(description="The model to serve.")
+    device: Device = Field(
+        default="gpu",
+        description="Where the runtime runs: gpu (one nvidia.com/gpu per pod by default) or cpu "
+        "(no GPU requested, --device cpu, graph mode NONE: an unset mode, and the decode role's "
+        "FULL_DECODE_ONLY default, resolve to NONE; any other mode set on cpu is refused). "
+        "Part of the compile-cache key.",
+    )
     engine: EngineSpec = _section(EngineSpec, "Engine limits.")
     prefix_caching: bool = Field(
         default=True,
@@ -414,14 +438,16 @@ class AtomDeploymentSpec(_Base):
         "Container resources of runtime pods (default: one nvidia.com/gpu)."
     )
     node_selector: dict[str, str] | None = Field(
-        default=None, description="Node selector of runtime pods."
+        default=None, description="Node selector of runtime pods (and of the router's)."
     )
     tolerations: list[dict[str, Any]] | None = Field(
         default=None,
-        description="Tolerations of runtime pods.",
+        description="Tolerations of runtime pods (and of the router's).",
         json_schema_extra={"items": {"type": "object", **_OPAQUE}},
     )
-    affinity: dict[str, Any] | None = _opaque_object("Affinity of runtime pods.")
+    affinity: dict[str, Any] | None = _opaque_object(
+        "Affinity of runtime pods (and of the router's)."
+    )
     env: list[dict[str, Any]] | None = Field(
         default=None,
         description="Extra environment variables (EnvVar objects) of runtime pods.",

@@ -39,6 +39,8 @@ def effective_compilation(spec: AtomDeploymentSpec, role: str) -> Compilation:
             merged["cudagraph_mode"] = "FULL_DECODE_ONLY"
     if override is not None:
         merged.update(override.model_dump(exclude_none=True))
+    if spec.device == "cpu":  # no CUDA graphs on a CPU (CEL refuses any other explicit mode)
+        merged["cudagraph_mode"] = "NONE"
     return Compilation(**merged)
 
 
@@ -116,6 +118,8 @@ def render_args(
     if role in (naming.PREFILL, naming.DECODE):
         # $(POD_IP) is expanded by the kubelet from the env of the same name (downward API).
         args += ["--kv-port", str(naming.KV_PORT), "--kv-host", "$(POD_IP)"]
+    if spec.device == "cpu":
+        args += ["--device", "cpu"]
     return args
 
 
@@ -143,6 +147,8 @@ def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
         "engine": spec.engine.model_dump(),
         "compilation": comp_fields,
     }
+    if spec.device != "gpu":  # only when set: the keys of existing GPU deployments stay as they are
+        identity["device"] = spec.device
     return naming.digest(identity, 16)
 
 

@@ -14,7 +14,7 @@ CHART = ROOT / "charts" / "atom-operator"
 def find_helm() -> str | None:
     """The provisioned helm (hack/controlplane install), else one on PATH."""
     try:
-        from atom_operator.devcluster.cache import HELM
+        from atom_devtools.devcluster.cache import HELM
 
         if HELM.is_installed():
             return str(HELM.path())
@@ -26,7 +26,7 @@ def find_helm() -> str | None:
 def kube_version() -> str:
     """The Kubernetes version the local cluster runs; helm template/lint check kubeVersion."""
     try:
-        from atom_operator.devcluster.versions import KUBERNETES
+        from atom_devtools.devcluster.versions import KUBERNETES
 
         return KUBERNETES
     except ImportError:

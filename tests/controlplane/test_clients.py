@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from atom_operator.devcluster import cache, versions
+from atom_devtools.devcluster import cache, versions
 
 from .kube import get_json
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from atom_operator.devcluster import ClusterError, LocalCluster, cache
+from atom_devtools.devcluster import ClusterError, LocalCluster, cache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,11 +114,11 @@ def test_cli_up_stops_everything_on_signal(sig, sigint_ignored):
 
 def test_children_die_with_a_killed_launcher(tmp_path):
     # SIGKILL gives no chance to clean up: the parent-death signal must take the children.
-    script = ("import sys, time\nfrom atom_operator.devcluster import LocalCluster\n"
+    script = ("import sys, time\nfrom atom_devtools.devcluster import LocalCluster\n"
               "c = LocalCluster(nodes=1); c.start(); print(c.dir, flush=True); time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=str(REPO / "operator")))
+                            env=dict(os.environ, PYTHONPATH=str(REPO / "devtools")))
     assert proc.stdout is not None
     workdir = proc.stdout.readline().strip()
     assert workdir and len(_processes_mentioning(workdir)) == 5

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from atom_operator.devcluster import LocalCluster, ProvisionError, cache, gotool, install, versions
-from atom_operator.devcluster.provision import check_version
+from atom_devtools.devcluster import LocalCluster, ProvisionError, cache, gotool, install, versions
+from atom_devtools.devcluster.provision import check_version
 
 
 def test_second_install_is_fast_and_complete():
@@ -17,7 +17,9 @@ def test_second_install_is_fast_and_complete():
     start = time.monotonic()
     result = install()
     elapsed = time.monotonic() - start
-    assert result == {name: "cached" for name in cache.COMPONENTS}
+    # the control plane, and the real node's pieces (Debian packages and pause need root)
+    assert set(cache.COMPONENTS) | set(cache.NODE_COMPONENTS) - {"pause"} <= set(result)
+    assert set(result.values()) == {"cached"}
     assert elapsed < 5, f"warm install took {elapsed:.1f}s"
 
 

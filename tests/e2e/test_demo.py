@@ -15,12 +15,13 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = [sys.executable, "-m", "atom_operator.demo", "--timeout", "240"]
+# The kwok-only loop (tests/realnode/test_demo_real.py runs the default, real-node one).
+DEMO = [sys.executable, "-m", "atom_devtools.demo", "--kwok", "--timeout", "240"]
 
 
 @pytest.fixture(autouse=True)
 def control_plane_installed() -> None:
-    from atom_operator.devcluster.cache import missing
+    from atom_devtools.devcluster.cache import missing
 
     if missing():
         pytest.skip(f"control-plane binaries missing: {missing()} (hack/controlplane install)")

@@ -175,3 +175,10 @@ def test_warmup_level3_fills_the_cache_then_loads_it(tmp_path: Path) -> None:
         warm["counters"].get("artifacts_saved", 0) == 0
         and warm["counters"].get("pieces_compiled", 0) == 0
     )
+
+
+def test_device_flag_maps_to_config() -> None:
+    assert config_from_args(parse("--device", "cpu")).device == "cpu"
+    assert config_from_args(parse("--device", "cuda")).device == "cuda"
+    with pytest.raises(SystemExit):
+        parse("--device", "tpu")

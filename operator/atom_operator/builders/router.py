@@ -74,6 +74,14 @@ def build_router_deployment(
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
     labels = naming.labels(owner.name, "router", naming.ROUTER, serving_revision)
+    # The router goes where its runtime pods may go (a tainted or dedicated pool included).
+    for key, value in (
+        ("nodeSelector", spec.node_selector),
+        ("tolerations", spec.tolerations),
+        ("affinity", spec.affinity),
+    ):
+        if value:
+            pod[key] = value
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

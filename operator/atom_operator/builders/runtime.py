@@ -18,7 +18,12 @@ DEFAULT_RESOURCES: dict[str, Any] = {"limits": {"nvidia.com/gpu": 1}}
 # side is torch, the CUDA context, tokenizer, compiled code, staging buffers and /dev/shm.
 DEFAULT_CPU = "2"
 DEFAULT_MEMORY = "16Gi"
-RUNTIME_UID = 1000
+# device cpu: no GPU is ever requested, and a smaller default so a few pods fit one real node
+# (the API-server and engine-core processes of a small model, with compile headroom).
+CPU_DEVICE_CPU = "250m"
+CPU_DEVICE_MEMORY = "3Gi"
+GPU_RESOURCE = "nvidia.com/gpu"
+RUNTIME_UID = 10001  # the image's `atom` user (Dockerfile ARG UID): its home and passwd entry
 PROBE_PERIOD_S = 10
 # SIGTERM handling (CONTRACTS.md): preStop sleep lets endpoints drop the pod first, then the
 # runtime drains in-flight streams (--drain-seconds, 30 by default), then a margin.
@@ -61,7 +66,17 @@ def role_resources(spec: AtomDeploymentSpec, role: str) -> dict[str, Any]:
         own = getattr(spec.disaggregation, role).resources
     if own is None:
         own = spec.resources if spec.resources is not None else DEFAULT_RESOURCES
+    if spec.device == "cpu":
+        return with_default_requests(_without_gpu(own), CPU_DEVICE_CPU, CPU_DEVICE_MEMORY)
     return with_default_requests(own, DEFAULT_CPU, DEFAULT_MEMORY)
+
+
+def _without_gpu(resources: dict[str, Any]) -> dict[str, Any]:
+    return {
+        kind: {k: v for k, v in amounts.items() if k != GPU_RESOURCE}
+        for kind, amounts in resources.items()
+        if isinstance(amounts, dict)
+    }
 
 
 def api_key_env(spec: AtomDeploymentSpec) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import json
 ROLES = ("unified", "prefill", "decode")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
+DEVICES = ("cpu", "cuda")
 
 
 def _json_object(text: str) -> dict:
@@ -86,6 +87,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-held-kv-fraction", type=_fraction, default=0.5, help="prefill: cap on KV blocks held for pulls, as a fraction of the pool; beyond it prefills get 503 kv_hold_cap")
     parser.add_argument("--kv-pull-timeout", type=_positive_float, default=30.0, help="decode: bound on one pull attempt (a broken pull is retried once)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=DEVICES, default=None, help="where the engine runs (default: cuda when available, else cpu)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks on CPU (GPU: sized from free memory)")
     parser.add_argument("--max-waiting", type=_positive_int, default=1024, help="queue bound; beyond it requests get 429")

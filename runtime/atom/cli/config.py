@@ -46,4 +46,5 @@ def config_from_args(args: argparse.Namespace) -> Config:
         compilation_config=compilation_from_args(args),
         seed=args.seed,
         role=args.role,
+        device=getattr(args, "device", None),
     )

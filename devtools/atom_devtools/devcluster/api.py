@@ -53,3 +53,11 @@ def probe(url: str, timeout: float = 2) -> bool:
             return resp.status == 200
     except (OSError, urllib.error.URLError):
         return False
+
+
+def probe_http(url: str, timeout: float = 2) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -88,7 +89,12 @@ def _publish(comp: Component, out: Path, reported: dict[str, str],
 
 
 def install_kubernetes(go: str) -> None:
-    comp, version = cache.KUBERNETES, versions.KUBERNETES
+    build_kubernetes(go, cache.KUBERNETES, KUBE_COMMANDS)
+
+
+def build_kubernetes(go: str, comp: Component, commands: tuple[str, ...]) -> None:
+    """Build `commands` (cmd/<name> of k8s.io/kubernetes) through the wrapper module."""
+    version = versions.KUBERNETES
     wd, log = comp.build_dir, comp.build_dir / "build.log"
     wd.mkdir(parents=True, exist_ok=True)
     info = _module_info(go, "k8s.io/kubernetes", version, wd, log)
@@ -98,7 +104,7 @@ def install_kubernetes(go: str) -> None:
         raise ProvisionError(f"no staging replaces found in {info['GoMod']}: cannot build the wrapper")
     _write_wrapper(wd, "atom.dev/k8sbuild", {"k8s.io/kubernetes": version},
                    {m: versions.staging_version(version) for m in staging},
-                   [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS])
+                   [f"k8s.io/kubernetes/cmd/{c}" for c in commands])
     gotool.run([go, "mod", "tidy"], what="go mod tidy of the Kubernetes wrapper", log=log, cwd=wd)
     major, minor = versions.kube_minor(version)
     stamp = {"gitVersion": version, "gitMajor": major, "gitMinor": minor,
@@ -108,11 +114,10 @@ def install_kubernetes(go: str) -> None:
     out = wd / "out"
     gotool.run([go, "build", "-tags", "selinux,notest,grpcnotrace", "-ldflags",
                 gotool.ldflags_x(flags), "-o", f"{out}/"]
-               + [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS],
-               what="build of kube-apiserver, kube-controller-manager, kube-scheduler",
-               log=log, cwd=wd)
+               + [f"k8s.io/kubernetes/cmd/{c}" for c in commands],
+               what=f"build of {', '.join(commands)}", log=log, cwd=wd)
     reported = {c: check_version(out / c, ["--version"], f"Kubernetes {version}")
-                for c in KUBE_COMMANDS}
+                for c in commands}
     _publish(comp, out, reported)
 
 
@@ -218,36 +223,68 @@ INSTALLERS: dict[str, Callable[[str], None]] = {
 }
 
 
+def _all_installers() -> dict[str, Callable[[str], None]]:
+    from .nodeprovision import NODE_INSTALLERS
+
+    # Debian first: the pause image needs umoci and skopeo.
+    return {"debian": NODE_INSTALLERS["debian"], **INSTALLERS,
+            **{k: v for k, v in NODE_INSTALLERS.items() if k != "debian"}}
+
+
+def component_names() -> list[str]:
+    return list(_all_installers())
+
+
+def _installed(name: str) -> bool:
+    if name == "debian":
+        from .nodeprovision import debian_missing
+
+        return not debian_missing()
+    return cache.ALL_COMPONENTS[name].is_installed()
+
+
 def install(components: Iterable[str] | None = None, *, force: bool = False) -> dict[str, str]:
-    """Make sure each component is in the cache; returns {component: "cached" | "installed"}."""
-    names = list(components or INSTALLERS)
-    unknown = set(names) - set(INSTALLERS)
+    """Make sure each component is in the cache; returns {component: "cached" | "installed"}.
+
+    The default is everything: the control plane and the real node's pieces."""
+    installers = _all_installers()
+    names = list(components or installers)
+    if components is None and os.geteuid() != 0 and not _installed("debian"):
+        # Only the real node needs them, and apt-get needs root: the rest still installs.
+        names = [n for n in names if n not in ("debian", "pause")]
+        print("skipping the Debian packages and the pause image (apt-get needs root): the real "
+              "node is unavailable", file=sys.stderr, flush=True)
+    unknown = set(names) - set(installers)
     if unknown:
-        raise ProvisionError(f"unknown components {sorted(unknown)}; known: {list(INSTALLERS)}")
+        raise ProvisionError(f"unknown components {sorted(unknown)}; known: {list(installers)}")
     root = cache.cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     # One installer at a time per cache (parallel test runs on one machine).
     with (root / ".install.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        todo = [n for n in names if force or not cache.COMPONENTS[n].is_installed()]
-        go = gotool.find_go() if any(n != "kubectl" for n in todo) else ""
+        todo = [n for n in names if force or not _installed(n)]
+        go = gotool.find_go() if any(n not in ("kubectl", "debian") for n in todo) else ""
         result = {n: "cached" for n in names if n not in todo}
         for name in todo:
-            comp = cache.COMPONENTS[name]
-            print(f"installing {name} {comp.version} into {comp.bin_dir}", file=sys.stderr,
-                  flush=True)
+            version = cache.ALL_COMPONENTS[name].version if name != "debian" else "apt"
+            where = cache.ALL_COMPONENTS[name].bin_dir if name != "debian" else "the system"
+            print(f"installing {name} {version} into {where}", file=sys.stderr, flush=True)
             start = time.monotonic()
-            INSTALLERS[name](go)
-            if not comp.is_installed():
-                raise ProvisionError(f"{name} was built but its stamp does not verify")
+            installers[name](go)
+            if not _installed(name):
+                raise ProvisionError(f"{name} was installed but does not verify")
             result[name] = "installed"
             print(f"  {name} done in {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
     return result
 
 
-def require() -> None:
+def require(real_node: bool = False) -> None:
     """Raise a ProvisionError naming every missing component (the launcher's precondition)."""
     absent = cache.missing()
+    if real_node:
+        from .nodeprovision import debian_missing
+
+        absent += cache.node_missing() + (["debian"] if debian_missing() else [])
     if absent:
         raise ProvisionError(
             f"control-plane binaries missing from {cache.cache_dir() / 'bin'}: "

@@ -1,6 +1,7 @@
 """The newcomer demo (`hack/demo`): the whole loop on one machine, from nothing.
 
-A local control plane starts (etcd, kube-apiserver, controller-manager, scheduler, kwok fake
+By default every pod really runs on a real node (demo_real.py). With --kwok, the older loop:
+a local control plane starts (etcd, kube-apiserver, controller-manager, scheduler, kwok fake
 nodes), the CRD is installed, the operator runs as a local process (container images cannot
 run here: kwok only pretends to run pods), examples/atomdeployment.yaml is applied and waited
 for, and then one real runtime process serves a tiny dummy model on the CPU and answers a
@@ -67,6 +68,13 @@ class Kubectl:
     def json(self, *args: str) -> Any:
         return json.loads(self("get", *args, "-o", "json").stdout)
 
+    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Another tool (helm) in the same environment; raises with its stderr on failure."""
+        result = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[:3])} failed:\n{result.stderr.strip()}")
+        return result
+
 
 def install_crd(kubectl: Kubectl) -> None:
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
@@ -89,7 +97,7 @@ class _Child:
     name = "child"
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
-        from atom_operator.devcluster.procs import Process
+        from atom_devtools.devcluster.procs import Process
 
         self.log_path = log_path
         self.proc = Process(self.name, argv, log_path, env=env)
@@ -114,7 +122,7 @@ class _Child:
         self.proc.start()
 
     def stop(self, grace: float = 20) -> None:
-        from atom_operator.devcluster.procs import stop_all
+        from atom_devtools.devcluster.procs import stop_all
 
         stop_all([self.proc], grace=grace)  # SIGTERM (both shut down in order), then SIGKILL
 
@@ -302,9 +310,9 @@ def run(args: argparse.Namespace, printer: Printer, pids: list[int]) -> None:
     """The demo's steps; `pids` collects every process group started, for the final check."""
     from openai import OpenAI
 
-    from atom_operator.devcluster import LocalCluster
+    from atom_devtools.devcluster import LocalCluster
 
-    example = Path(args.example).resolve()
+    example = Path(args.example or EXAMPLE).resolve()
     manifest = yaml.safe_load(example.read_text())
     name = manifest["metadata"]["name"]
     namespace = args.namespace
@@ -389,7 +397,11 @@ def run(args: argparse.Namespace, printer: Printer, pids: list[int]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hack/demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--example", default=str(EXAMPLE), help="AtomDeployment manifest to apply")
+    parser.add_argument("--example", default=None, help="AtomDeployment manifest to apply "
+                        "(default: examples/atomdeployment-cpu.yaml, with --kwok "
+                        "examples/atomdeployment.yaml)")
+    parser.add_argument("--kwok", action="store_true", help="kwok nodes only: the operator as a "
+                        "local process and the runtime as a local process (no images, no root)")
     parser.add_argument("--namespace", default="atom-demo")
     parser.add_argument(
         "--model", default="tiny-llama", help="built-in shape the CPU runtime serves"
@@ -404,7 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     printer = Printer()
     pids: list[int] = []
     try:
-        run(args, printer, pids)
+        if args.kwok:
+            run(args, printer, pids)
+        else:
+            from atom_devtools.demo_real import run_real
+
+            run_real(args, printer, pids)
         status, outcome = 0, ""
     except KeyboardInterrupt:
         status, outcome = 130, "interrupted"

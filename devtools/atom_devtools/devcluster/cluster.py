@@ -22,6 +22,7 @@ from .api import ApiClient, probe
 from .errors import ClusterError, ProvisionError
 from .procs import Process, stop_all
 from .provision import require
+from .realnode import NODE_NAME, RealNode, require_root
 
 SERVICE_CIDR = "10.0.0.0/24"
 POD_CIDR = "10.244.0.0/16"
@@ -64,8 +65,10 @@ class LocalCluster:
     """
 
     def __init__(self, *, nodes: int = 2, keep: bool = False, timeout: float = 120,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, real_node: bool = False) -> None:
         self.node_names = [f"kwok-node-{i}" for i in range(nodes)]
+        self.real_node = real_node
+        self.node: RealNode | None = None
         self.keep = keep
         self.timeout = timeout
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -108,7 +111,9 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> None:
-        require()
+        require(real_node=self.real_node)
+        if self.real_node:
+            require_root()
         begin = time.monotonic()
         self.dir = Path(tempfile.mkdtemp(prefix="atom-cluster-"))
         atexit.register(self.stop)
@@ -140,15 +145,30 @@ class LocalCluster:
             raise ClusterError("the cluster is not started")
         return self.dir.joinpath(*parts)
 
-    def _spawn(self, name: str, argv: list[str]) -> Process:
-        proc = Process(name, argv, self._path("logs", f"{name}.log"))
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        proc = Process(name, argv, self._path("logs", f"{name}.log"), env=env)
         proc.start()
         self.procs.append(proc)
         return proc
 
+    def _apiserver_address_flags(self) -> list[str]:
+        if self.node is None:
+            # no default route on CI hosts: without these two the server fails to start
+            return ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                    "--endpoint-reconciler-type=none"]
+        # Pods reach the API server through the `kubernetes` Service: its endpoint (written by
+        # the lease reconciler) is the node IP; logs and port-forward go to the kubelet's IP.
+        return ["--bind-address=0.0.0.0", f"--advertise-address={self.node.ip}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname"]
+
     def _start(self) -> None:
-        etcd_port, peer_port, api_port, kcm_port, sched_port = free_ports(5)
-        self.server = f"https://127.0.0.1:{api_port}"
+        etcd_port, peer_port, api_port, kcm_port, sched_port, *node_ports = free_ports(11)
+        if self.real_node:
+            self.node = RealNode(self._path(), self.kubeconfig, self._spawn, self._wait,
+                                 node_ports)
+        # The API server's self-signed certificate names its advertised address (and not
+        # 127.0.0.1 when that is the node's): clients use the address it names.
+        self.server = f"https://{self.node.ip if self.node else '127.0.0.1'}:{api_port}"
         _sa_key(self._path("sa.key"))
         self._path("tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
         etcd = f"http://127.0.0.1:{etcd_port}"
@@ -163,10 +183,8 @@ class LocalCluster:
         sa_key = str(self._path("sa.key"))
         self._spawn("kube-apiserver", [
             str(cache.KUBERNETES.path("kube-apiserver")), f"--etcd-servers={etcd}",
-            "--bind-address=127.0.0.1", f"--secure-port={api_port}",
-            f"--cert-dir={self._path('certs')}",
-            # no default route on CI hosts: without these two the server fails to start
-            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--secure-port={api_port}", f"--cert-dir={self._path('certs')}",
+            *self._apiserver_address_flags(),
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
@@ -199,15 +217,22 @@ class LocalCluster:
             f"--manage-nodes-with-annotation-selector={manifests.KWOK_ANNOTATION}=fake",
             f"--cidr={POD_CIDR}", "--node-lease-duration-seconds=40",
         ])
-        self._create("/apis/storage.k8s.io/v1/storageclasses", manifests.storage_class())
+        self._create("/apis/storage.k8s.io/v1/storageclasses",
+                     manifests.storage_class(default=not self.real_node))
         for i, name in enumerate(self.node_names):
             self._create("/api/v1/nodes", manifests.node(name, i))
+        if self.node is not None:
+            self.node.start()
+            for path, obj in self.node.objects():
+                self._create(path, obj)
 
         self._wait("kube-controller-manager /healthz",
                    lambda: probe(f"https://127.0.0.1:{kcm_port}/healthz"))
         self._wait("kube-scheduler /healthz",
                    lambda: probe(f"https://127.0.0.1:{sched_port}/healthz"))
-        self._wait("the kwok nodes to be Ready", self._nodes_ready)
+        self._wait("the nodes to be Ready", self._nodes_ready)
+        if self.node is not None:
+            self._wait("CoreDNS /ready", self.node.dns_ready)
         # The controller-manager creates it; pods cannot be admitted before it exists.
         self._wait("the default ServiceAccount", lambda: self.api.get(
             "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200)
@@ -227,7 +252,7 @@ class LocalCluster:
             if any(c["type"] == "Ready" and c["status"] == "True"
                    for c in n.get("status", {}).get("conditions", []))
         }
-        return ready >= set(self.node_names)
+        return ready >= set(self.node_names) | ({NODE_NAME} if self.node else set())
 
     def _wait(self, what: str, done: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.timeout
@@ -264,10 +289,20 @@ class LocalCluster:
 
     def _stop_processes(self) -> None:
         # Clients first, then the API server, then etcd: a server whose backend is gone, or
-        # etcd with watches still open, each stall their graceful shutdown.
+        # etcd with watches still open, each stall their graceful shutdown. On a real node the
+        # kubelet goes first, then the containers it left, then containerd.
         procs, self.procs = self.procs, []
-        order = [[p for p in procs if p.name not in ("kube-apiserver", "etcd")],
+        node_side = ("kubelet", "containerd")
+        order = [[p for p in procs if p.name == "kubelet"],
+                 [p for p in procs if p.name not in ("kube-apiserver", "etcd", *node_side)],
                  [p for p in procs if p.name == "kube-apiserver"],
                  [p for p in procs if p.name == "etcd"]]
-        for group in order:
+        node, self.node = self.node, None
+        for i, group in enumerate(order):
             stop_all(group)
+            if i == 0 and node is not None:
+                node.remove_containers()
+                stop_all([p for p in procs if p.name == "containerd"])
+        if node is not None:
+            for problem in node.cleanup_host():
+                self._log(f"real node teardown: {problem}")

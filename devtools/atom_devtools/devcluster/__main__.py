@@ -1,4 +1,4 @@
-"""`python -m atom_operator.devcluster` (hack/controlplane): install | up [--check] | env."""
+"""`python -m atom_devtools.devcluster` (hack/controlplane): install | up [--check] | env."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import FrameType
 
 from . import cache, versions
 from .errors import ClusterError, ProvisionError
-from .provision import INSTALLERS, install
+from .provision import component_names, install
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
@@ -24,21 +24,24 @@ def cmd_install(args: argparse.Namespace) -> int:
     start = time.monotonic()
     result = install(args.components or None, force=args.force)
     for name, state in result.items():
-        comp = cache.COMPONENTS[name]
-        print(f"{name:<11} {comp.version:<8} {state:<9} {comp.bin_dir}")
+        comp = cache.ALL_COMPONENTS.get(name)
+        version, where = (comp.version, comp.bin_dir) if comp else ("apt", "system packages")
+        print(f"{name:<11} {version:<8} {state:<9} {where}")
     print(f"control-plane binaries ready in {time.monotonic() - start:.1f}s")
     return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from .cluster import LocalCluster
+    from .provision import INSTALLERS
 
-    install()
+    # The control plane; with --real-node the node's pieces too.
+    install(None if args.real_node else list(INSTALLERS))
     # SIGINT too: a shell starts background jobs with it ignored, and `kill -INT` must still work.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
-        with LocalCluster(nodes=args.nodes, keep=args.keep) as cluster:
+        with LocalCluster(nodes=args.nodes, keep=args.keep, real_node=args.real_node) as cluster:
             print(f"kubeconfig: {cluster.kubeconfig}")
             print(f"export KUBECONFIG={shlex.quote(cluster.kubeconfig)}")
             print(cluster.kubectl("get", "nodes", "-o", "wide").stdout, end="", flush=True)
@@ -72,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("install", help="build or fetch the pinned binaries into the cache")
     p.add_argument("components", nargs="*", metavar="COMPONENT",
-                   help=f"any of {', '.join(INSTALLERS)} (default: all)")
+                   help=f"any of {', '.join(component_names())} (default: all)")
     p.add_argument("--force", action="store_true", help="rebuild even when cached")
     p.set_defaults(func=cmd_install)
     p = sub.add_parser("up", help="start a local cluster in the foreground (Ctrl-C stops it)")
     p.add_argument("--check", action="store_true", help="start, show the nodes, stop")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     p.add_argument("--nodes", type=int, default=2, help="number of fake GPU nodes")
+    p.add_argument("--real-node", action="store_true",
+                   help="also one real node (containerd, kubelet, CNI, kube-proxy, CoreDNS), "
+                        "tainted atom.dev/real-node=true:NoSchedule; needs root")
     p.set_defaults(func=cmd_up)
     p = sub.add_parser("env", help="print shell exports putting the cached binaries on PATH")
     p.set_defaults(func=cmd_env)

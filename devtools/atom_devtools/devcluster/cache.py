@@ -46,7 +46,8 @@ class Component:
         sizes = stamp.get("binaries", {})
         for name in self.binaries:
             path = self.path(name)
-            if not os.access(path, os.X_OK) or sizes.get(name) != path.stat().st_size:
+            usable = path.is_file() if name.endswith(".tar") else os.access(path, os.X_OK)
+            if not usable or sizes.get(name) != path.stat().st_size:
                 return False
         return True
 
@@ -86,3 +87,27 @@ def bin_path() -> list[Path]:
 
 def missing() -> list[str]:
     return [name for name, c in COMPONENTS.items() if not c.is_installed()]
+
+
+# The real node's pieces (installed by `hack/controlplane install`, checked only when a cluster
+# with real_node=True starts): kubelet and kube-proxy from the same Kubernetes module.
+KUBE_NODE = Component("kube-node", versions.KUBERNETES, ("kubelet", "kube-proxy"))
+CONTAINERD = Component("containerd", versions.CONTAINERD,
+                       ("containerd", "containerd-shim-runc-v2", "ctr"))
+COREDNS = Component("coredns", versions.COREDNS, ("coredns",))
+# `pause` is the static binary; pause.tar the OCI archive of localhost/atom-pause:<tag>.
+PAUSE = Component("pause", versions.PAUSE, ("pause", "pause.tar"))
+
+NODE_COMPONENTS: dict[str, Component] = {
+    c.name: c for c in (KUBE_NODE, CONTAINERD, COREDNS, PAUSE)
+}
+
+
+def node_bin_path() -> list[Path]:
+    return [c.bin_dir for c in NODE_COMPONENTS.values()]
+
+
+def node_missing() -> list[str]:
+    return [name for name, c in NODE_COMPONENTS.items() if not c.is_installed()]
+
+ALL_COMPONENTS: dict[str, Component] = COMPONENTS | NODE_COMPONENTS

@@ -8,6 +8,17 @@ KUBERNETES = "v1.36.3"
 ETCD = "v3.6.8"
 KWOK = "v0.8.0"
 HELM = "v3.22.0"
+# The real node (LocalCluster(real_node=True)): kubelet and kube-proxy come from KUBERNETES.
+CONTAINERD = "v2.4.2"
+COREDNS = "v1.15.0"
+# The locally built pause image's tag (a small Go program of ours, no upstream pause image).
+PAUSE = "3.10"
+# Debian packages the real node and the image builds use (the suite's versions: bookworm).
+DEBIAN_SUITE = "bookworm"
+DEBIAN_PACKAGES = (
+    "runc", "containernetworking-plugins", "iptables", "conntrack", "socat",
+    "buildah", "umoci", "skopeo", "mmdebstrap", "uidmap",
+)
 # Oldest Go that builds all of the above (their go.mod files say go 1.26.0).
 MIN_GO = (1, 26)
 
