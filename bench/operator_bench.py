@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from atom_devtools.devcluster import LocalCluster
 from atom_operator import builders
 from atom_operator.builders import Owner
-from atom_devtools.devcluster import LocalCluster
 from atom_operator.kube import Kube
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot, deployment_complete
