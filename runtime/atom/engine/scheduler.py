@@ -57,6 +57,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

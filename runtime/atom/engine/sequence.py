@@ -47,6 +47,10 @@ class Sequence:
         self.kv_payload: torch.Tensor | None = None
         # Row of the launched step's sampled tokens that holds this sequence's PENDING_TOKEN.
         self.pending_src: int | None = None
+        # Speculative decoding: tokens whose KV the draft model's cache holds (reset with the
+        # blocks on preemption), and the host generator of a seeded request's acceptance draws.
+        self.num_draft_computed = 0
+        self.spec_generator: torch.Generator | None = None
 
     @property
     def num_tokens(self) -> int:
