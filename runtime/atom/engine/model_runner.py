@@ -70,7 +70,11 @@ class ModelRunner:
         compiles = config.compilation_config.level >= CompilationLevel.DYNAMO_ONCE
         # enforce_eager is decided once, in Config: it sets level 0 and graph mode NONE.
         self.compile_prefetch = CompilePrefetch(self.device.type, compiles)
-        self.model = build_model(config, self.hf_config)
+        # Attention layers register themselves in the current forward context's layer dict,
+        # which after a step is another runner's own: build in a fresh one (a second engine or
+        # a draft model would otherwise replace that runner's layers).
+        with forward_context(no_compile_layers={}):
+            self.model = build_model(config, self.hf_config)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.attn_layers = self.model.attention_layers()
         # Level 1 wraps the whole model in Dynamo (eager backend); levels 2-3 compile inside
