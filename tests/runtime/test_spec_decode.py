@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 SHORT, LONG, ONE = [1, 5, 9, 200, 31], [1] + list(range(40, 75)), [3]
 
 
-def _engine(spec: dict | None = None, **kw) -> LLMEngine:
+def _config(spec: dict | None = None, **kw) -> Config:
     base = dict(
         model="tiny-llama",
         load_format="dummy",
@@ -35,7 +35,11 @@ def _engine(spec: dict | None = None, **kw) -> LLMEngine:
         seed=7,
     )
     base.update(kw)
-    e = LLMEngine(Config(speculative_config=spec, **base))
+    return Config(speculative_config=spec, **base)
+
+
+def _engine(spec: dict | None = None, **kw) -> LLMEngine:
+    e = LLMEngine(_config(spec, **kw))
     e.warmup()
     return e
 
@@ -296,18 +300,7 @@ def test_emulated_verify_and_draft_graphs_replay(ref: LLMEngine, mode: CUDAGraph
 
     k = 3
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4])
-    cfg = Config(
-        model="tiny-llama",
-        load_format="dummy",
-        dtype="float32",
-        device="cpu",
-        max_model_len=96,
-        num_kv_blocks=64,
-        max_num_seqs=4,
-        seed=7,
-        compilation_config=cc,
-        speculative_config=SELF,
-    )
+    cfg = _config(SELF, compilation_config=cc)
     e = LLMEngine(cfg)
     assert e.runner.graph_runner is None  # CPU: resolved to NONE
     e.runner.graph_runner = GraphRunner(cfg, recorder_factory=CpuOpRecorder, q_len=k + 1)
