@@ -13,7 +13,9 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
-from atom.engine.batch import SeqRows, StepBatch
+import torch
+
+from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
 from atom.engine.sampler import _argmax
 from atom.models.registry import ModelConfig, load_model_config
 
@@ -80,25 +82,31 @@ class DraftModelDrafter:
             todo = [s for s in todo if s.num_draft_computed < s.num_tokens - 1]
 
     def propose_batch(self, seqs: list[Sequence]) -> list[list[int]]:
-        """k greedy draft tokens per sequence; the draft cache then holds num_tokens + k - 1."""
+        """k greedy draft tokens per sequence; the draft cache then holds num_tokens + k - 1.
+
+        Passes after the first read their token on the device (PENDING_TOKEN from the previous
+        pass's argmax, as an asynchronous decode step does): the host waits once, for all k."""
         self._catch_up(seqs)
-        last = [s.token_ids[-1] for s in seqs]
-        drafts: list[list[int]] = [[] for _ in seqs]
+        n = len(seqs)
+        prev: torch.Tensor | None = None
+        drafted: list[torch.Tensor] = []
         for j in range(self.k):
-            batch = StepBatch(
-                [
-                    SeqRows(s.request_id, [t], s.num_tokens - 1 + j, s.block_table, None, True)
-                    for s, t in zip(seqs, last, strict=True)
-                ],
-                is_prefill=False,
-            )
-            logits, _ = self.runner.execute_model(batch)
-            last = _argmax(logits[: len(seqs)]).tolist()
-            for d, t in zip(drafts, last, strict=True):
-                d.append(int(t))
+            rows = [
+                SeqRows(
+                    s.request_id, [s.token_ids[-1]], s.num_tokens - 1, s.block_table, None, True
+                )
+                if prev is None
+                else SeqRows(
+                    s.request_id, [PENDING_TOKEN], s.num_tokens - 1 + j, s.block_table, i, True
+                )
+                for i, s in enumerate(seqs)
+            ]
+            logits, _ = self.runner.execute_model(StepBatch(rows, is_prefill=False), prev)
+            prev = _argmax(logits[:n])
+            drafted.append(prev)
         for s in seqs:
             s.num_draft_computed = s.num_tokens + self.k - 1
-        return drafts
+        return torch.stack(drafted, dim=1).tolist()
 
 
 def draft_kv_share(target_block_bytes: int, draft_block_bytes: int, num_blocks: int) -> int:
