@@ -155,7 +155,7 @@ def main() -> None:
     args = ap.parse_args()
     args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    args.num_kv_blocks = None
+    args.num_kv_blocks = 4096  # fixed: every engine of the run gets the same KV pool
     args.max_model_len = 1024
     if args.quick:
         args.model, args.level, args.mode = "tiny-llama", 0, "NONE"

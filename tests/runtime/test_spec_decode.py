@@ -338,6 +338,7 @@ def test_gpu_verify_and_draft_graphs(mode: str) -> None:
         device="cuda",
         max_model_len=256,
         max_num_seqs=8,
+        num_kv_blocks=256,  # both engines live at once: no memory-fraction sizing
         seed=7,
         compilation_config=CompilationConfig(
             level=3, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8]

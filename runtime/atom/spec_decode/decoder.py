@@ -131,7 +131,8 @@ class SpecDecoder:
         meta = SpecDecodeMetadata(
             draft_token_ids=torch.tensor(drafts, dtype=torch.long).to(device, non_blocking=True),
             num_draft_tokens=[k] * len(seqs),
-            logits_indices=None,  # every row: the k + 1 rows of each request, in order
+            # Every row: the k + 1 rows of each request, in order (no gather).
+            logits_indices=torch.arange(len(seqs) * (k + 1), device=device),
         )
         logits, _ = self.runner.execute_model(
             StepBatch(rows, is_prefill=False, logits_all=True), spec=meta
