@@ -132,6 +132,25 @@ def test_ngram_prompt_lookup() -> None:
     assert d.propose([1, 2, 3]) == [3, 3, 3]  # no match: the last token, k times
 
 
+def test_ngram_index_matches_the_scan() -> None:
+    """The per-sequence n-gram index proposes what a scan of the whole context does, as the
+    sequence grows by a few tokens per step."""
+    import random
+
+    class Seq:
+        def __init__(self, ids: list[int]) -> None:
+            self.token_ids = ids
+
+    for trial in range(100):
+        rng = random.Random(trial)
+        lo = rng.randint(1, 3)
+        d = NgramDrafter(3, lo, rng.randint(lo, 4))
+        seq = Seq([rng.randrange(4) for _ in range(rng.randint(1, 5))])
+        for _ in range(20):
+            assert d.propose_batch([seq])[0] == d.propose(seq.token_ids)
+            seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randint(1, 4)))
+
+
 # ----------------------------------------------------------------- greedy exactness
 
 
