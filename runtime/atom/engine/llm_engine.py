@@ -95,8 +95,8 @@ class LLMEngine:
             self.spec = SpecDecoder.build(spec, self.runner, self.draft_runner, self.block_manager,
                                           config.max_model_len, int(config.seed))
             # Speculative steps are synchronous (atom.spec_decode.decoder): the next step's
-            # drafts need this step's accepted tokens on the host.
-            self.async_scheduling = False
+            # drafts need this step's accepted tokens on the host (/status reports it too).
+            self.async_scheduling = config.async_scheduling = False
         self._copier = SampledCopier(self.runner.max_num_seqs, self.runner.device)
         self._launched: LaunchedStep | None = None
         self.eos_token_ids = set(self.hf_config.eos_token_id)

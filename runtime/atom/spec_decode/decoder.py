@@ -45,7 +45,7 @@ class SpecStats:
     emitted: int = 0  # tokens the verified requests gained (accepted + one, less cut runs)
     per_position: list[int] = field(default_factory=list)  # accepted at draft position i
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | list[int]]:
         return {
             "spec_decode_steps": self.steps,
             "spec_decode_num_drafts": self.seq_steps,
@@ -53,6 +53,7 @@ class SpecStats:
             "spec_decode_num_accepted_tokens": self.accepted,
             "spec_decode_num_emitted_tokens": self.emitted,
             "spec_decode_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "spec_decode_accepted_per_position": list(self.per_position),
             # Tokens a request gains per verify step (1 + accepted drafts), before stops cut runs.
             "spec_decode_mean_accepted_tokens": (
                 (self.accepted + self.seq_steps) / self.seq_steps if self.seq_steps else 0.0
