@@ -254,6 +254,35 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     assert _chi2(counts, p[0]) < 18.47
 
 
+def test_engine_sampled_distribution_matches_without_speculation() -> None:
+    """End to end, top_k=3 (a vocabulary of 3 per row): the joint distribution of the first two
+    tokens (the second from a verify step) with self-drafting equals the target's, by a
+    two-sample chi-square test against the engine without speculation."""
+    p = SamplingParams(temperature=1.0, top_k=3, max_tokens=2, ignore_eos=True)
+    kw = dict(max_num_seqs=64, num_kv_blocks=80)
+    counts = []
+    for spec in (None, SELF):
+        e = _engine(spec, **kw)
+        c: dict[tuple[int, int], int] = {}
+        for _ in range(10):
+            for toks in e.generate([SHORT] * 64, p):
+                c[tuple(toks)] = c.get(tuple(toks), 0) + 1
+        counts.append(c)
+        if spec is not None:
+            assert e.stats()["spec_decode_num_drafts"] >= 10 * 64  # every second token verified
+    keys = sorted(set(counts[0]) | set(counts[1]))
+    a = torch.tensor([counts[0].get(k, 0) for k in keys], dtype=torch.float64)
+    b = torch.tensor([counts[1].get(k, 0) for k in keys], dtype=torch.float64)
+    pooled = (a + b) / (a.sum() + b.sum())
+    stat = float(
+        (((a - pooled * a.sum()) ** 2) / (pooled * a.sum())).sum()
+        + (((b - pooled * b.sum()) ** 2) / (pooled * b.sum())).sum()
+    )
+    assert len(keys) <= 9
+    # chi-square critical value, len(keys) - 1 <= 8 degrees of freedom, p = 0.001: 26.12
+    assert stat < 26.12, (stat, keys, a.tolist(), b.tolist())
+
+
 def test_sampled_requests_run_with_speculation() -> None:
     e = _engine(SELF)
     p = SamplingParams(temperature=0.8, top_k=8, max_tokens=12, seed=11, ignore_eos=True)
