@@ -207,8 +207,9 @@ class ModelRunner:
         """Rows for each sequence's scheduled tokens; padding rows have token 0, position 0, slot -1.
 
         Decode (q rows per sequence: 1, or k + 1 in a verify step): padding adds sequences of q
-        rows with context length 0, so rows r*q..r*q+q-1 belong to sequence r. Prefill: padding rows belong to no sequence and
-        padded sequences have no rows. A row whose token is PENDING_TOKEN takes it from
+        rows with context length 0, so rows r*q..r*q+q-1 belong to sequence r. Prefill:
+        padding rows belong to no sequence and padded sequences have no rows. A row whose
+        token is PENDING_TOKEN takes it from
         `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
         `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
         """
