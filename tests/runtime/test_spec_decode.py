@@ -217,6 +217,35 @@ def test_preemption_and_abort_roll_back(ref: LLMEngine, spec: dict) -> None:
     assert e.stats()["kv_blocks_used"] == 0 and e.block_manager.num_free_blocks == 10
 
 
+@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+def test_decode_role_speculates_on_pulled_kv(ref: LLMEngine, spec: dict) -> None:
+    """A decode instance's sequence arrives with its prompt's KV and first token: the target
+    cache gets the pulled blocks, the draft model catches up on the prompt itself."""
+    from atom.disagg.kv_blocks import gather_blocks
+
+    prompts = [SHORT, LONG]
+    want = ref.generate(prompts, GREEDY)
+    prefill = _engine(role="prefill")
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, pr in enumerate(prompts):
+        prefill.add_request(f"p{i}", pr, one, hold_kv=True)
+    firsts = {}
+    while prefill.has_unfinished_requests():
+        firsts.update({o.request_id: o.new_token_ids[0] for o in prefill.step()})
+    decode = _engine(spec, role="decode")
+    for i, pr in enumerate(prompts):
+        hold = prefill.kv_holds.begin_pull(f"p{i}")
+        blocks = gather_blocks(prefill.runner.kv_cache, hold.block_ids)
+        prefill.kv_holds.end_pull(f"p{i}", True)
+        decode.add_prefilled_request(f"d{i}", pr, firsts[f"p{i}"], GREEDY, blocks)
+    got = {f"d{i}": [] for i in range(len(prompts))}
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            got[o.request_id] += o.new_token_ids
+    assert [got[f"d{i}"] for i in range(len(prompts))] == want
+    assert decode.stats()["spec_decode_num_drafts"] > 0
+
+
 # ----------------------------------------------------------------- sampling
 
 
