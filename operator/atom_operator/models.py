@@ -7,9 +7,9 @@ live here as CEL (`x-kubernetes-validations`) so the API server refuses bad mani
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 GROUP = "atom.dev"
@@ -381,6 +381,88 @@ class MonitoringSpec(_Base):
     )
 
 
+SpecMethodName = Literal["ngram", "draft_model"]
+DraftModelRef = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+SpecTokens = Annotated[int, Field(ge=1, le=15)]
+
+
+class NgramSpec(_Base):
+    """The n-gram (prompt lookup) drafter's window."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.promptLookupMin) || !has(self.promptLookupMax) || "
+                    "self.promptLookupMin <= self.promptLookupMax",
+                    "message": "ngram.promptLookupMin must be at most ngram.promptLookupMax",
+                    "fieldPath": ".promptLookupMin",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    prompt_lookup_min: int = Field(default=1, ge=1, le=64, description="Shortest suffix matched.")
+    prompt_lookup_max: int = Field(
+        default=3, ge=1, le=64, description="Longest suffix tried first."
+    )
+
+
+class SpeculativeSpec(_Base):
+    """Speculative decoding (--speculative-config) of the unified and decode roles (a prefill
+    role never decodes, so it gets none)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.method != 'draft_model' || has(self.draftModel)",
+                    "message": "speculative.draftModel is required for method draft_model",
+                    "fieldPath": ".draftModel",
+                    "reason": "FieldValueRequired",
+                },
+                {
+                    "rule": "self.method == 'draft_model' || !has(self.draftModel)",
+                    "message": "speculative.draftModel is only allowed with method draft_model",
+                    "fieldPath": ".draftModel",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.method == 'ngram' || !has(self.ngram)",
+                    "message": "speculative.ngram is only allowed with method ngram",
+                    "fieldPath": ".ngram",
+                    "reason": "FieldValueForbidden",
+                },
+            ]
+        }
+    )
+
+    method: SpecMethodName = Field(description="ngram (prompt lookup) or draft_model.")
+    # k + 1 query rows must fit one KV block (16 tokens).
+    num_speculative_tokens: SpecTokens = Field(description="Draft tokens k per request per step.")
+    draft_model: DraftModelRef | None = Field(
+        default=None,
+        description="draft_model: a built-in shape or a model directory in the container with "
+        "the target's vocabulary; the target's own name self-drafts.",
+    )
+    ngram: NgramSpec | None = Field(default=None, description="ngram: the lookup window.")
+
+    def runtime_json(self) -> dict[str, Any]:
+        """The runtime's --speculative-config object (atom.config.SpeculativeConfig)."""
+        out: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.method == "draft_model":
+            out["model"] = self.draft_model
+        else:
+            window = self.ngram or NgramSpec()
+            out["prompt_lookup_min"] = window.prompt_lookup_min
+            out["prompt_lookup_max"] = window.prompt_lookup_max
+        return out
+
+
 class AtomDeploymentSpec(_Base):
     """Desired state of an ATOM model server."""
 
@@ -488,6 +570,10 @@ class AtomDeploymentSpec(_Base):
         NetworkPolicySpec, "NetworkPolicies of the children."
     )
     monitoring: MonitoringSpec = _section(MonitoringSpec, "Prometheus scraping (opt-in).")
+    speculative: SpeculativeSpec | None = Field(
+        default=None,
+        description="Speculative decoding (n-gram or draft model) of the unified and decode roles.",
+    )
 
     @property
     def disaggregated(self) -> bool:

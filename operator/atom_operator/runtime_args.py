@@ -114,6 +114,12 @@ def render_args(
         args += ["--compilation-config", json.dumps(extra, sort_keys=True, separators=(",", ":"))]
     if cache_dir:
         args += ["--compile-cache-dir", cache_dir]
+    spec_json = speculative_json(spec, role)
+    if spec_json is not None:
+        args += [
+            "--speculative-config",
+            json.dumps(spec_json, sort_keys=True, separators=(",", ":")),
+        ]
     args += ["--role", role]
     if role in (naming.PREFILL, naming.DECODE):
         # $(POD_IP) is expanded by the kubelet from the env of the same name (downward API).
@@ -121,6 +127,13 @@ def render_args(
     if spec.device == "cpu":
         args += ["--device", "cpu"]
     return args
+
+
+def speculative_json(spec: AtomDeploymentSpec, role: str) -> dict[str, Any] | None:
+    """The role's --speculative-config; a prefill role never decodes and gets none."""
+    if spec.speculative is None or role == naming.PREFILL:
+        return None
+    return spec.speculative.runtime_json()
 
 
 def command_line(args: list[str]) -> str:
@@ -149,6 +162,10 @@ def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
     }
     if spec.device != "gpu":  # only when set: the keys of existing GPU deployments stay as they are
         identity["device"] = spec.device
+    spec_json = speculative_json(spec, role)
+    if spec_json is not None:
+        # Verify buckets of k + 1 rows and a draft model's graphs are different captured work.
+        identity["speculative"] = spec_json
     return naming.digest(identity, 16)
 
 

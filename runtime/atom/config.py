@@ -6,6 +6,7 @@ guide; every invalid value raises ValueError naming the field and what is allowe
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -135,6 +136,124 @@ def _snake(name: str) -> str:
     return "".join(out).lstrip("_")
 
 
+# ---- speculative decoding (`--speculative-config`, vLLM's JSON shape where it fits) ----
+
+
+class SpecMethod(enum.StrEnum):
+    NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
+
+
+_FIELDS = {
+    SpecMethod.NGRAM: {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+    SpecMethod.DRAFT_MODEL: {"method", "num_speculative_tokens", "model"},
+}
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """k draft tokens per request per step, proposed by `method`, verified by the target."""
+
+    method: SpecMethod
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model: a model directory or built-in shape (the target's own: self-draft)
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched against the earlier tokens
+    prompt_lookup_max: int = 3  # ngram: longest suffix tried first
+
+    def __post_init__(self) -> None:
+        try:
+            method = SpecMethod(self.method)
+        except ValueError:
+            allowed = ", ".join(m.value for m in SpecMethod)
+            raise ValueError(
+                f"speculative_config.method must be one of {allowed}, got {self.method!r}"
+            ) from None
+        object.__setattr__(self, "method", method)
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if method == SpecMethod.DRAFT_MODEL:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    "speculative_config.model is required for method draft_model "
+                    "(a model directory or built-in shape; the target's own name self-drafts)"
+                )
+        else:
+            lo = _positive("prompt_lookup_min", self.prompt_lookup_min)
+            hi = _positive("prompt_lookup_max", self.prompt_lookup_max)
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+                )
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        """From JSON keys (snake_case or camelCase); keys the method does not take are refused."""
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {data!r}")
+        norm = {_snake(k): v for k, v in data.items()}
+        if "method" not in norm:
+            raise ValueError("speculative_config.method is required (ngram or draft_model)")
+        try:
+            method = SpecMethod(norm["method"])
+        except ValueError:
+            allowed = ", ".join(m.value for m in SpecMethod)
+            raise ValueError(
+                f"speculative_config.method must be one of {allowed}, got {norm['method']!r}"
+            ) from None
+        if "num_speculative_tokens" not in norm:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        extra = sorted(set(norm) - _FIELDS[method])
+        if extra:
+            raise ValueError(
+                f"speculative_config has no field {extra[0]!r} for method {method.value}; "
+                f"allowed: {', '.join(sorted(_FIELDS[method]))}"
+            )
+        return cls(**norm)
+
+    def check_serving(self, *, role: str, block_size: int, max_rows: int, max_bucket_seqs: int) -> None:
+        """Refuse combinations the engine cannot serve (ValueError naming the field)."""
+        if role == "prefill":
+            raise ValueError(
+                "speculative_config is not allowed with role=prefill: a prefill instance samples "
+                "one token per request and never decodes"
+            )
+        rows = self.k + 1
+        if rows > block_size:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={self.k}: k + 1 = {rows} query rows "
+                f"exceed block_size={block_size} (a captured bucket's dummy rows live in one block)"
+            )
+        # The largest captured verify bucket must fit one step's rows (0: nothing captured).
+        if rows * max_bucket_seqs > max_rows:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={self.k}: the largest bucket "
+                f"({max_bucket_seqs} requests x {rows} rows = {rows * max_bucket_seqs}) exceeds "
+                f"max_num_batched_tokens={max_rows}"
+            )
+
+    def hash_factors(self) -> dict[str, Any]:
+        """Different k means different captured buckets; the draft model is its own compile."""
+        return {"method": self.method.value, "k": self.k, "model": self.model}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method.value, "num_speculative_tokens": self.k}
+        if self.method == SpecMethod.DRAFT_MODEL:
+            out["model"] = self.model
+        else:
+            out["prompt_lookup_min"] = self.prompt_lookup_min
+            out["prompt_lookup_max"] = self.prompt_lookup_max
+        return out
+
+
 @dataclass
 class Config:
     model: str = "tiny-llama"  # directory with config.json, or a built-in shape name
@@ -159,10 +278,14 @@ class Config:
     seed: int = 0
     role: str = "unified"
     device: str | None = None  # default: "cuda" if available else "cpu"
+    # Speculative decoding (atom.spec_decode): None = off; a dict is parsed (--speculative-config).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.compilation_config, dict):
             self.compilation_config = CompilationConfig.from_dict(self.compilation_config)
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self._validate_serving_fields()
         if self.served_model_name is None:
             self.served_model_name = self.model
@@ -223,6 +346,16 @@ class Config:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        spec = self.speculative_config
+        if spec is not None:
+            if not isinstance(spec, SpeculativeConfig):
+                raise ValueError(
+                    "speculative_config must be a SpeculativeConfig or a dict of its fields, "
+                    f"got {type(spec).__name__}"
+                )
+            if self.role == "prefill":
+                spec.check_serving(role=self.role, block_size=self.block_size, max_rows=0,
+                                   max_bucket_seqs=0)
         if not isinstance(self.compilation_config, CompilationConfig):
             raise ValueError(
                 "compilation_config must be a CompilationConfig or a dict of its fields, "
@@ -254,16 +387,25 @@ class Config:
             self.max_model_len = min(int(max_position_embeddings), 4096)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if self.speculative_config is not None:
+            self.speculative_config.check_serving(
+                role=self.role, block_size=self.block_size, max_rows=self.max_num_batched_tokens,
+                max_bucket_seqs=max(self.capture_sizes or [0]),
+            )
 
     def model_hash_factors(self) -> dict[str, Any]:
         """Config-side model identity for the compile-cache hash (the module adds its shapes)."""
         return {"model": self.model, "dtype": self.dtype}
 
     def compile_hash_factors(self) -> dict[str, Any]:
-        return {
+        out = {
             "compilation_config": self.compilation_config.hash_factors(),
             "model": self.model_hash_factors(),
         }
+        if self.speculative_config is not None:
+            # Verify buckets of k + 1 rows are different captured (and compiled) work.
+            out["speculative"] = self.speculative_config.hash_factors()
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -272,4 +414,6 @@ class Config:
         cc.pop("local_cache_dir", None)
         if self.compilation_config.cudagraph_mode is not None:
             cc["cudagraph_mode"] = self.compilation_config.cudagraph_mode.name
+        if self.speculative_config is not None:
+            data["speculative_config"] = self.speculative_config.to_dict()
         return data

@@ -14,14 +14,18 @@ DTYPES = ("bfloat16", "float16", "float32", "auto")
 DEVICES = ("cpu", "cuda")
 
 
-def _json_object(text: str) -> dict:
+def _json_object(text: str, flag: str = "--compilation-config") -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--compilation-config is not valid JSON: {exc}") from exc
+        raise argparse.ArgumentTypeError(f"{flag} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--compilation-config must be a JSON object")
+        raise argparse.ArgumentTypeError(f"{flag} must be a JSON object")
     return value
+
+
+def _spec_object(text: str) -> dict:
+    return _json_object(text, "--speculative-config")
 
 
 def _positive_int(text: str) -> int:
@@ -80,6 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-sizes", type=_positive_int, nargs="+", default=None)
     parser.add_argument("--compilation-config", type=_json_object, default=None, help="CompilationConfig fields as JSON")
     parser.add_argument("--compile-cache-dir", default=None)
+    parser.add_argument("--speculative-config", type=_spec_object, default=None,
+                        help='speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_min": 1, "prompt_lookup_max": 3} or {"method": "draft_model", '
+                             '"model": PATH_OR_BUILTIN, "num_speculative_tokens": 3}')
     parser.add_argument("--role", choices=ROLES, default="unified")
     parser.add_argument("--kv-port", type=int, default=None, help="serve held KV blocks on this port (prefill default 8001; 0: any free port)")
     parser.add_argument("--kv-host", default=None, help="address the KV port binds to and decode instances dial (default: bind --host; dial $ATOM_KV_HOST, else the address the router reached)")

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from atom.config import CompilationConfig, Config
+from atom.spec_decode.config import SpeculativeConfig
 
 DEFAULT_CLI_LEVEL = 3  # production default; the dataclass keeps the guide's 0
 
@@ -47,4 +48,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seed=args.seed,
         role=args.role,
         device=getattr(args, "device", None),
+        speculative_config=(SpeculativeConfig.from_dict(args.speculative_config)
+                            if getattr(args, "speculative_config", None) else None),
     )

@@ -40,6 +40,7 @@ from atom.cudagraph.region_graph import (
     reset_token_graph,
     token_graph_of,
 )
+from atom.utils.counters import counters
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,
@@ -239,19 +240,27 @@ class GraphRunner:
         mode: CUDAGraphMode | None = None,
         capture_sizes: list[int] | None = None,
         q_len: int = 1,
+        is_draft: bool = False,
+        req_graph_cls: type[ReqGraph] = ReqGraph,
     ) -> None:
         """recorder_factory replaces CUDA capture (CpuOpRecorder in CPU tests); mode and
         capture_sizes override the config's (tests and benchmarks switch modes on one
-        compiled model)."""
+        compiled model). is_draft: a drafter's runner, whose decode passes are recorded
+        whole in either graph mode (the guide), never as token graphs; req_graph_cls is then
+        atom.spec_decode.draft_graph.DraftGraph (cudagraph imports no engine package)."""
         self.config = config
         self._sizes_override = list(capture_sizes) if capture_sizes else None
         self.recorder_factory = recorder_factory
         self._cuda = recorder_factory is None
         self.mode = resolve_mode(config, cuda_available, require_cuda=self._cuda, mode=mode)
+        self.is_draft = bool(is_draft)
+        self.req_graph_cls = req_graph_cls
+        if self.is_draft and self.mode != CUDAGraphMode.NONE:
+            self.mode = CUDAGraphMode.FULL_DECODE_ONLY
         self.decode_mode = self.mode.decode_mode()
         self.mixed_mode = self.mode.mixed_mode()
         self.capture_sizes: list[int] = []  # ascending, once captured
-        self.req_graph = ReqGraph(recorder_factory)
+        self.req_graph = self._new_req_graph()
         self.token_graphs: list[TokenGraph] = []
         self._token_sizes: dict[str, list[int]] = {}
         self._unit: torch.nn.Module | None = None  # the single recording unit, called directly
@@ -260,6 +269,14 @@ class GraphRunner:
         # Query rows per decode request: 1, or 1 + draft tokens when a drafter verifies them
         # (request buckets (bs, q_len - 1), token buckets bs * q_len rows).
         self.q_len = int(q_len)
+
+    def _new_req_graph(self) -> ReqGraph:
+        return self.req_graph_cls(self.recorder_factory)
+
+    def ladder(self) -> list[tuple[int, int]]:
+        """The request buckets capture records, (running_bs, draft_num), largest first: a
+        verify bucket holds bs * q_len rows (q_len = k + 1 under speculation)."""
+        return [request_bucket(bs, self.q_len) for bs in self._sizes()]
 
     @property
     def active(self) -> bool:
@@ -345,6 +362,7 @@ class GraphRunner:
         """Install a fake decode batch of bs sequences in the forward context."""
         ids, positions, md, ctx = runner.build_dummy_decode(bs, self.q_len)
         ctx.is_prefill = is_prefill
+        ctx.is_draft = self.is_draft
         runner.set_context(md, ctx)  # also installs the runner's attention layers
         return ids, positions
 
@@ -359,7 +377,7 @@ class GraphRunner:
         if use_tr:
             self.token_graphs = self._find_units(runner)
         outputs = runner.forward_vars.get("outputs")
-        self.req_graph = ReqGraph(self.recorder_factory)  # a new capture starts empty
+        self.req_graph = self._new_req_graph()  # a new capture starts empty
         self._token_sizes = {}
         self._sync()
         free_before = torch.cuda.mem_get_info()[0] if self._cuda else 0
@@ -448,6 +466,8 @@ class GraphRunner:
         rows = int(input_ids.shape[0])
         if rows not in self.token_sizes(phase):
             return None  # not padded to a bucket (or above the largest): eager
+        if fctx.spec_decode_metadata is not None:
+            counters.inc("verify_graph_replays")
         if self._unit is not None:
             return token_graph_of(self._unit).replay((input_ids, fctx.context.positions), phase)
         fctx.tr_graph = TokenGraphPass.REPLAY
@@ -465,6 +485,8 @@ class GraphRunner:
         key = request_bucket(ctx.running_bs or ctx.batch_size, max_q)
         if key not in self.req_graph or int(input_ids.shape[0]) != key[0] * (key[1] + 1):
             return None
+        if fctx.spec_decode_metadata is not None:
+            counters.inc("verify_graph_replays")
         return self.req_graph.replay(key, (input_ids, ctx.positions))
 
     # ---------------------------------------------------------------- reporting

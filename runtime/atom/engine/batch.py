@@ -50,6 +50,7 @@ class StepBatch:
 
     seqs: list[SeqRows]
     is_prefill: bool
+    logits_all: bool = False  # a verify step: logits of every row (k + 1 per request)
 
     @classmethod
     def of(cls, seqs: Iterable[ScheduledSequence], is_prefill: bool) -> StepBatch:

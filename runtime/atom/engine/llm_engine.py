@@ -33,6 +33,8 @@ from atom.engine.sampler import Sampler, host_results
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence
 from atom.models.registry import load_model_config
+from atom.spec_decode.config import SpecMethod
+from atom.spec_decode.decoder import SpecDecoder
 from atom.utils.counters import counters
 
 logger = logging.getLogger(__name__)
@@ -68,13 +70,23 @@ class LLMEngine:
                 "(sliding-window attention is not implemented): set max_model_len <= the window"
             )
         self.runner = ModelRunner(config, self.hf_config)
+        spec = getattr(config, "speculative_config", None)
+        self.draft_runner = self._draft_runner(config) if spec is not None else None
         num_blocks = self.runner.determine_num_blocks()
+        if self.draft_runner is not None and config.num_kv_blocks is None:
+            from atom.spec_decode.draft_model import draft_kv_share
+
+            # The draft cache has as many blocks (it shares the block tables): split the budget.
+            num_blocks = draft_kv_share(self.runner.kv_block_bytes(),
+                                        self.draft_runner.kv_block_bytes(), num_blocks)
         if num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks x {config.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={config.max_model_len}; lower max_model_len or add blocks"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size,
             enable_prefix_caching=bool(getattr(config, "enable_prefix_caching", True)),
@@ -83,6 +95,13 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
         self.async_scheduling = bool(getattr(config, "async_scheduling", True))
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            self.spec = SpecDecoder.build(spec, self.runner, self.draft_runner, self.block_manager,
+                                          config.max_model_len, int(config.seed))
+            # Speculative steps are synchronous (atom.spec_decode.decoder): the next step's
+            # drafts need this step's accepted tokens on the host (/status reports it too).
+            self.async_scheduling = config.async_scheduling = False
         self._copier = SampledCopier(self.runner.max_num_seqs, self.runner.device)
         self._launched: LaunchedStep | None = None
         self.eos_token_ids = set(self.hf_config.eos_token_id)
@@ -100,6 +119,20 @@ class LLMEngine:
         identity = model_identity(cfg.model, cfg.load_format, cfg.seed, self.hf_config.to_dict())
         return root_hash(identity, str(cfg.dtype))
 
+    def _draft_runner(self, config: Any) -> ModelRunner | None:
+        spec = config.speculative_config
+        if spec.method != SpecMethod.DRAFT_MODEL:
+            return None
+        from atom.spec_decode.draft_model import check_draft_model, draft_config
+
+        draft_hf = check_draft_model(self.hf_config, spec.model)
+        if draft_hf.max_position_embeddings < config.max_model_len:
+            raise ValueError(
+                f"speculative_config.model {spec.model!r} has max_position_embeddings="
+                f"{draft_hf.max_position_embeddings} < max_model_len={config.max_model_len}"
+            )
+        return ModelRunner(draft_config(config), draft_hf, is_draft=True)
+
     # ---- lifecycle -----------------------------------------------------------------------
     def warmup(self) -> dict:
         """Compile (levels 2-3) and capture graphs; returns a summary for logs and /status."""
@@ -107,6 +140,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         compile_s = self.runner.warmup_model()
         capture_s, sizes = self.runner.capture_cudagraph()
+        draft_sizes: list[int] = []
+        if self.draft_runner is not None:
+            compile_s += self.draft_runner.warmup_model()
+            draft_s, draft_sizes = self.draft_runner.capture_cudagraph()
+            capture_s += draft_s
         cc = self.config.compilation_config
         self.warmup_summary = {
             "model": self.config.model,
@@ -116,6 +154,7 @@ class LLMEngine:
             "compile_seconds": round(compile_s, 3),
             "capture_seconds": round(float(capture_s), 3),
             "captured_sizes": list(sizes),
+            "draft_captured_sizes": list(draft_sizes),
             "kv_blocks_total": self.block_manager.num_blocks,
             "max_model_len": self.config.max_model_len,
             "counters": counters.delta(before),
@@ -239,6 +278,11 @@ class LLMEngine:
         self.reclaim_kv()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
+        if self.spec is not None and sched and self._speculates(sched):
+            self.spec.step(sched.seqs, lambda seq, toks, lps: self._emit(seq, toks, lps, outputs))
+            for seq in sched.seqs:
+                seq.num_scheduled_tokens = 0
+            return outputs
         launched = self._launch(sched) if sched else None
         if self._launched is not None:
             outputs.extend(self._read(self._launched))
@@ -247,6 +291,34 @@ class LLMEngine:
             outputs.extend(self._read(launched))
             self._launched = None
         return outputs
+
+    def _speculates(self, sched: SchedulerOutput) -> bool:
+        """A pure decode step of sequences with every token on the host, room for k drafts."""
+        if sched.is_prefill or self._launched is not None:
+            return False
+        if any(s.num_computed_tokens + 1 != s.num_tokens or s.kv_payload is not None
+               for s in sched.seqs):
+            return False
+        return self.spec.reserve(sched.seqs)
+
+    def _emit(self, seq: Sequence, tokens: list[int], lps: list[float] | None,
+              outputs: list[RequestOutput]) -> int:
+        """Append a verify step's tokens up to the first that ends the request; how many."""
+        kept: list[int] = []
+        for i, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            kept.append(tok)
+            if lps is not None:
+                seq.output_logprobs.append(lps[i])
+            reason = self._stop_reason(seq, tok, seq.num_tokens)
+            if reason is not None:
+                if seq.hold_kv:
+                    self._hold_prompt_blocks(seq)
+                self.scheduler.finish(seq, reason)
+                self._seqs.pop(seq.request_id, None)
+                break
+        outputs.append(self._output(seq, kept, list(lps[:len(kept)]) if lps else [None]))
+        return len(kept)
 
     def read_launched(self) -> None:
         """Read the step in flight now (every sampled token on the host); its outputs come
@@ -342,6 +414,8 @@ class LLMEngine:
             "kv_blocks_held": self.kv_holds.num_blocks_held,
             **self.prefix_cache_stats(),
         }
+        if self.spec is not None:
+            out.update(self.spec.stats.as_dict())
         out.update(counters.snapshot())
         return out
 

@@ -20,16 +20,19 @@ import torch
 from atom.compilation.decorators import compile_for_level
 from atom.compilation.prefetch import CompilePrefetch
 from atom.config import CompilationLevel, Config
+from atom.cudagraph.region_graph import ReqGraph
 from atom.cudagraph.runner import GraphRunner
 from atom.engine.batch import PENDING_TOKEN, StepBatch
 from atom.engine.host_staging import HostStaging
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
+from atom.spec_decode.draft_graph import DraftGraph
 from atom.utils.counters import counters
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,
     ForwardContext,
+    SpecDecodeMetadata,
     forward_context,
     get_forward_context,
     set_forward_context,
@@ -49,8 +52,11 @@ StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]
 
 
 class ModelRunner:
-    def __init__(self, config: Config, hf_config: ModelConfig | None = None) -> None:
+    def __init__(self, config: Config, hf_config: ModelConfig | None = None,
+                 is_draft: bool = False) -> None:
+        """is_draft: the runner of a speculative drafter (Context.is_draft, DraftGraphs)."""
         self.config = config
+        self.is_draft = is_draft
         self.hf_config = hf_config or load_model_config(config.model)
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             config.finalize_model_len(self.hf_config.max_position_embeddings)
@@ -64,7 +70,11 @@ class ModelRunner:
         compiles = config.compilation_config.level >= CompilationLevel.DYNAMO_ONCE
         # enforce_eager is decided once, in Config: it sets level 0 and graph mode NONE.
         self.compile_prefetch = CompilePrefetch(self.device.type, compiles)
-        self.model = build_model(config, self.hf_config)
+        # Attention layers register themselves in the current forward context's layer dict,
+        # which after a step is another runner's own: build in a fresh one (a second engine or
+        # a draft model would otherwise replace that runner's layers).
+        with forward_context(no_compile_layers={}):
+            self.model = build_model(config, self.hf_config)
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.attn_layers = self.model.attention_layers()
         # Level 1 wraps the whole model in Dynamo (eager backend); levels 2-3 compile inside
@@ -73,11 +83,16 @@ class ModelRunner:
 
         # The CUDA-graph engine resolves the mode (NONE without CUDA, with one warning, and
         # under enforce_eager); installed only when graphs will be recorded.
-        graphs = GraphRunner(config)
+        # Under speculation a decode (verify) step runs k + 1 rows per request: its buckets are
+        # (running_bs, k), recorded with max_q_len = k + 1 (the guide's capture loop).
+        spec = config.speculative_config
+        self.q_len = spec.k + 1 if spec is not None and not is_draft else 1
+        graphs = GraphRunner(config, q_len=self.q_len, is_draft=is_draft,
+                             req_graph_cls=DraftGraph if is_draft else ReqGraph)
         self.graph_runner: GraphRunner | None = graphs if graphs.active else None
 
         self.max_num_seqs = max([int(config.max_num_seqs)] + self.capture_sizes)
-        self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs)
+        self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs * self.q_len)
         self.staging = self._input_staging()
         self.forward_vars = {**self.staging.buffers,
                              "outputs": torch.zeros(self.max_num_rows, self.hf_config.hidden_size,
@@ -183,7 +198,7 @@ class ModelRunner:
             extra={"decode": not is_prefill},
         )
         context = Context(positions=positions, is_prefill=is_prefill, batch_size=num_seqs,
-                          running_bs=nseq, running_tokens=rows)
+                          running_bs=nseq, running_tokens=rows, is_draft=self.is_draft)
         return input_ids, positions, meta, context
 
     def prepare_inputs(self, batch: StepBatch, pad_to_rows: int | None = None,
@@ -191,9 +206,10 @@ class ModelRunner:
                        ) -> StepInputs:
         """Rows for each sequence's scheduled tokens; padding rows have token 0, position 0, slot -1.
 
-        Decode (one row per sequence): padding adds sequences of one row with context length 0,
-        so row r always belongs to sequence r. Prefill: padding rows belong to no sequence and
-        padded sequences have no rows. A row whose token is PENDING_TOKEN takes it from
+        Decode (q rows per sequence: 1, or k + 1 in a verify step): padding adds sequences of q
+        rows with context length 0, so rows r*q..r*q+q-1 belong to sequence r. Prefill:
+        padding rows belong to no sequence and padded sequences have no rows. A row whose
+        token is PENDING_TOKEN takes it from
         `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
         `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
         """
@@ -234,8 +250,10 @@ class ModelRunner:
             nseq = max(num_seqs, pad_to_seqs or 0)
             q_pad = [0] * (nseq - num_seqs)
         else:
-            rows = nseq = max(num_rows, num_seqs, pad_to_rows or 0, pad_to_seqs or 0)
-            q_pad = [1] * (nseq - num_seqs)
+            q = max(q_lens, default=1)
+            nseq = max(num_seqs, pad_to_seqs or 0, _cdiv(pad_to_rows or 0, q))
+            rows = max(num_rows, nseq * q)
+            q_pad = [q] * (nseq - num_seqs)
         pad = rows - num_rows
         if pending and pending_tokens is None:
             raise ValueError(f"{pending} rows wait for sampled tokens, none given")
@@ -260,18 +278,21 @@ class ModelRunner:
                            [[self.dummy_block]] * num_seqs, is_prefill, num_seqs, rows)
 
     # ---- forward -------------------------------------------------------------------------
-    def _context_kwargs(self, meta: AttentionMetaData, context: Context) -> dict[str, Any]:
+    def _context_kwargs(self, meta: AttentionMetaData, context: Context,
+                        spec: SpecDecodeMetadata | None = None) -> dict[str, Any]:
         return dict(attn_metadata=meta, atom_config=self.config, context=context,
-                    num_tokens=context.running_tokens, no_compile_layers=self.attn_layers)
+                    num_tokens=context.running_tokens, no_compile_layers=self.attn_layers,
+                    spec_decode_metadata=spec)
 
     def set_context(self, meta: AttentionMetaData, context: Context) -> None:
         """Install the step's forward context (with this runner's attention layers)."""
         set_forward_context(**self._context_kwargs(meta, context))
 
-    def step_context(self, meta: AttentionMetaData, context: Context
+    def step_context(self, meta: AttentionMetaData, context: Context,
+                     spec: SpecDecodeMetadata | None = None
                      ) -> AbstractContextManager[ForwardContext]:
         """The step's forward context for a with-block, reset afterwards."""
-        return forward_context(**self._context_kwargs(meta, context))
+        return forward_context(**self._context_kwargs(meta, context, spec))
 
     def run_model(self, input_ids: torch.Tensor, logits_indices: torch.Tensor | int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +318,10 @@ class ModelRunner:
 
     @staticmethod
     def _logits_indices(batch: StepBatch) -> list[int]:
-        """The last row of each sequence whose tokens are all computed after this step."""
+        """The last row of each sequence whose tokens are all computed after this step (a
+        verify step: every row)."""
+        if batch.logits_all:
+            return list(range(batch.num_tokens))
         idx, row = [], 0
         for seq in batch.seqs:
             row += len(seq.token_ids)
@@ -313,18 +337,19 @@ class ModelRunner:
         return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, list[int]]:
+    def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
+                      spec: SpecDecodeMetadata | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run one scheduled step; returns logits [n, vocab] (the model's dtype) and the
         indices in batch.seqs of the n sequences to sample. pending_tokens: the previous
         step's sampled ids on the device, for rows whose token the host has not read yet
-        (prepare_inputs)."""
+        (prepare_inputs). spec: a verify step's drafts (ForwardContext.spec_decode_metadata);
+        its logits are every row's (batch.logits_all)."""
         pad_rows = pad_seqs = None
         if self.graph_runner is not None:
             pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill)
         input_ids, _, meta, context = self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens)
         indices = self.logits_rows(self._logits_indices(batch))
-        with self.step_context(meta, context):
+        with self.step_context(meta, context, spec):
             logits, _ = self.run_model(input_ids, indices)
         return logits, batch.sampled()
 

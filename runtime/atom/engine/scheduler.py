@@ -61,6 +61,7 @@ class Scheduler:
         self.bm.cache_blocks(seq)  # with prefix caching the recompute may find them again
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

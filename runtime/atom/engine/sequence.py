@@ -58,6 +58,11 @@ class Sequence:
         # tenant's cache salt; multimodal inputs would add their hashes per block.
         self.cache_salt = b""
 
+        # Speculative decoding: tokens whose KV the draft model's cache holds (reset with the
+        # blocks on preemption), and the host generator of a seeded request's acceptance draws.
+        self.num_draft_computed = 0
+        self.spec_generator: torch.Generator | None = None
+
     def block_extra_key(self, index: int) -> bytes:
         return self.cache_salt
 

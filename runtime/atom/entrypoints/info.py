@@ -32,6 +32,9 @@ def config_info(config: Any) -> dict[str, Any]:
         "max_num_seqs": config.max_num_seqs,
         "cache_dir": local or cc.cache_dir,
         "cache_key": cache_key(local),
+        "speculative_config": spec.to_dict()
+        if (spec := getattr(config, "speculative_config", None))
+        else None,
     }
 
 

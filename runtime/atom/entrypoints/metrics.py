@@ -80,7 +80,37 @@ DOCUMENTED_COUNTERS = (
     "graph_replays",
     "eager_steps",
     "eager_region_runs",
+    "verify_graph_replays",
+    "draft_graph_replays",
 )
+
+# Speculative decoding (LLMEngine.stats(), atom.spec_decode.decoder.SpecStats): present only
+# when --speculative-config is on. Totals -> counters, ratios -> gauges.
+SPEC_COUNTERS = {
+    "spec_decode_num_draft_tokens": ("atom_spec_decode_num_draft_tokens", "Draft tokens proposed"),
+    "spec_decode_num_accepted_tokens": (
+        "atom_spec_decode_num_accepted_tokens",
+        "Draft tokens accepted",
+    ),
+    "spec_decode_num_drafts": (
+        "atom_spec_decode_num_drafts",
+        "Requests verified, summed over steps",
+    ),
+    "spec_decode_num_emitted_tokens": (
+        "atom_spec_decode_num_emitted_tokens",
+        "Tokens emitted by verify steps",
+    ),
+}
+SPEC_GAUGES = {
+    "spec_decode_acceptance_rate": (
+        "atom_spec_decode_acceptance_rate",
+        "Accepted / drafted tokens",
+    ),
+    "spec_decode_mean_accepted_tokens": (
+        "atom_spec_decode_mean_accepted_tokens",
+        "Tokens a request gains per verify step (1 + accepted drafts)",
+    ),
+}
 
 
 class ServerMetrics:
@@ -159,6 +189,11 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
         for key, doc in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(f"atom_{key}", doc, value=float(stats.get(key, 0) or 0))
+        if "spec_decode_num_draft_tokens" in stats:
+            for key, (name, doc) in SPEC_COUNTERS.items():
+                yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
+            for key, (name, doc) in SPEC_GAUGES.items():
+                yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
         # Compile and graph counters: atom_<name>_total, e.g. atom_graph_replays_total.
         merged: dict[str, int] = dict.fromkeys(DOCUMENTED_COUNTERS, 0)  # always present, even at 0
         for source in (stats.get("counters"), self._counters()):
