@@ -55,6 +55,9 @@ def _engine(args: argparse.Namespace, spec: dict | None) -> LLMEngine:
         compilation_config=cc,
         seed=0,
         speculative_config=spec,
+        # Each rate is the difference of two generate() calls over the same prompts: a prefix
+        # hit in the second would drop its prefill and void the difference.
+        enable_prefix_caching=False,
     )
     e = LLMEngine(cfg)
     e.warmup()
