@@ -17,10 +17,11 @@ from atom.disagg.handle import KVHandle
 from atom.disagg.kv_blocks import engine_layout
 from atom.disagg.layout import KVLayout
 from atom.disagg.server import KVServer, KVSource
+from atom.wire.kv_modes import DEFAULT_KV_PORT
+
+__all__ = ["DEFAULT_KV_PORT", "KVService"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_PORT = 8001
 
 
 @dataclass
@@ -66,24 +67,6 @@ class KVService:
             return None
         return KVSource(self.layout, self.engine.kv_holds, self.engine.runner.kv_cache)
 
-    # ---- prefill side ---------------------------------------------------------------------------
-    def make_handle(
-        self, request_id: str, prompt_ids: list[int], first_token: int, logprob: float | None
-    ) -> KVHandle:
-        assert self.layout is not None
-        return KVHandle(
-            handle=request_id,
-            kv_host=self.advertise_host,
-            kv_port=self.bound_port,
-            identity=self.layout.identity,
-            model=self.layout.model,
-            num_blocks=self.layout.blocks_for(len(prompt_ids)),
-            prompt_token_ids=list(prompt_ids),
-            first_token_id=first_token,
-            first_logprob=logprob,
-            expires_in=self.hold_seconds,
-        )
-
     # ---- decode side ----------------------------------------------------------------------------
     async def pull(self, handle: KVHandle) -> PulledKV:
         assert self.layout is not None
@@ -96,15 +79,3 @@ class KVService:
         task = asyncio.create_task(release_kv(handle, self.layout))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def describe(self) -> dict[str, Any]:
-        holds = getattr(self.engine, "kv_holds", None)
-        return {
-            "port": self.bound_port if self.serves else None,
-            "advertise_host": self.advertise_host,
-            "hold_seconds": self.hold_seconds,
-            "identity": self.layout.identity if self.layout else None,
-            "holds": holds.num_holds if holds else 0,
-            "blocks_held": holds.num_blocks_held if holds else 0,
-            "holds_expired": holds.stats.expired if holds else 0,
-        }

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from aiohttp import web
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
+from atom.wire.errors import ERROR_TYPES, error_body, error_type
+
+__all__ = ["ERROR_TYPES", "APIError", "bad_request"]
 
 
 class APIError(Exception):
@@ -32,20 +28,15 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.err_type = err_type or ERROR_TYPES.get(status, "invalid_request_error")
+        self.err_type = err_type or error_type(status)
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.status, self.message, self.code, self.param, self.err_type)
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.Response(
+            body=orjson.dumps(self.body()), status=self.status, content_type="application/json"
+        )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
