@@ -29,6 +29,9 @@ from prometheus_client import generate_latest
 from atom.router.health import health_loop, probe_pool
 from atom.router.metrics import RouterMetrics
 from atom.router.pool import Instance, Pool, Resolver, resolve_dns
+from atom.wire import errors as codes
+from atom.wire.errors import error_body
+from atom.wire.kv_modes import KVMode
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ HOP_HEADERS = {
     "content-encoding",
 }
 # Answers meaning "this instance did not take the request": another instance may.
-DECLINED = {"not_ready", "shutting_down", "rate_limit_exceeded"}
+DECLINED = {codes.NOT_READY, codes.SHUTTING_DOWN, codes.RATE_LIMIT_EXCEEDED}
 
 
 @dataclass
@@ -73,11 +76,7 @@ class ClientGone(Exception):
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
-    err_type = "service_unavailable" if status == 503 else "invalid_request_error"
-    return web.json_response(
-        {"error": {"message": message, "type": err_type, "param": None, "code": code}},
-        status=status,
-    )
+    return web.json_response(error_body(status, message, code), status=status)
 
 
 def _parse(data: bytes) -> dict[str, Any]:
@@ -100,7 +99,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer": {"mode": "prefill"}}
+    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer": {"mode": KVMode.PREFILL.value}}
     out.pop("stream_options", None)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -144,7 +143,7 @@ class _Reply:
         """After the status went out: an OpenAI-style error event (SSE), then the end."""
         if self.resp is None:
             return
-        err = {"error": {"message": message, "type": "service_unavailable", "code": code}}
+        err = error_body(503, message, code)
         try:
             if self.sse:
                 await self.resp.write(
@@ -209,7 +208,7 @@ class Router:
                     return
         finally:
             self.metrics.queue.dec()
-        raise Unavailable(pool.role, pool.unavailable_reason(), "no_backend")
+        raise Unavailable(pool.role, pool.unavailable_reason(), codes.NO_BACKEND)
 
     async def _pick(self, pool: Pool, tried: set[Instance]) -> Instance:
         """An instance in rotation not tried yet (waiting for one if none is in rotation)."""
@@ -217,7 +216,7 @@ class Router:
         inst = pool.pick(tried)
         if inst is None:
             raise Unavailable(
-                pool.role, f"every {pool.role} instance declined the request", "no_backend"
+                pool.role, f"every {pool.role} instance declined the request", codes.NO_BACKEND
             )
         return inst
 
@@ -264,7 +263,7 @@ class Router:
                     raise Unavailable(
                         "prefill",
                         f"prefill instance {inst.url} failed during the request: {why}",
-                        "prefill_failed",
+                        codes.PREFILL_FAILED,
                     ) from None
                 self.metrics.requests.labels("prefill", inst.url, str(status)).inc()
                 code = _err_field(data, "code")
@@ -275,7 +274,7 @@ class Router:
                             "prefill",
                             f"prefill instance {inst.url} answered without a KV handle "
                             "(is it running --role prefill?)",
-                            "prefill_failed",
+                            codes.PREFILL_FAILED,
                         )
                     return inst, handle
                 if status in (429, 503) and code in DECLINED:
@@ -288,7 +287,7 @@ class Router:
                     "prefill",
                     f"prefill instance {inst.url} answered {status}: "
                     f"{_err_field(data, 'message') or 'no reason given'}",
-                    code or "prefill_failed",
+                    code or codes.PREFILL_FAILED,
                 )
 
     async def _post(
@@ -310,7 +309,7 @@ class Router:
         prefill: Instance,
         t0: float,
     ) -> web.StreamResponse:
-        kv = {**handle, "mode": "decode"}
+        kv = {**handle, "mode": KVMode.DECODE.value}
         if not kv.get("kv_host"):  # the prefill does not know its address: use the one we reached
             kv["kv_host"] = prefill.host
         dbody = {**body, "kv_transfer": kv}
@@ -332,9 +331,9 @@ class Router:
                 why = self._failed(self.decode, inst, _cause(exc))
                 message = f"decode instance {inst.url} failed during the request: {why}"
                 if reply.resp is None:
-                    raise Unavailable("decode", message, "decode_failed") from None
+                    raise Unavailable("decode", message, codes.DECODE_FAILED) from None
                 self.metrics.unavailable.labels("decode").inc()
-                await reply.fail_in_band(message, "decode_failed")
+                await reply.fail_in_band(message, codes.DECODE_FAILED)
                 return reply.resp
             if resp is not None:
                 return resp
@@ -363,7 +362,7 @@ class Router:
                     "decode",
                     f"decode instance {inst.url} answered {up.status}: "
                     f"{_err_field(data, 'message') or 'no reason given'}",
-                    code or "decode_failed",
+                    code or codes.DECODE_FAILED,
                 )
             headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
             await reply.start(up.status, headers)
@@ -411,7 +410,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if not isinstance(body, dict):
             raise ValueError("request body must be a JSON object")
     except ValueError as exc:
-        return _error(400, f"request body is not a valid JSON object: {exc}", "invalid_json")
+        return _error(400, f"request body is not a valid JSON object: {exc}", codes.INVALID_JSON)
     router.metrics.in_flight.inc()
     try:
         # No prompt runs (and holds blocks) while no decode instance could take it over.
@@ -439,7 +438,7 @@ async def models(request: web.Request) -> web.Response:
                     return web.json_response(await r.json())
         except (TimeoutError, aiohttp.ClientError):
             continue
-    return _error(503, router.decode.unavailable_reason(), "no_backend")
+    return _error(503, router.decode.unavailable_reason(), codes.NO_BACKEND)
 
 
 async def health(request: web.Request) -> web.Response:
