@@ -128,8 +128,9 @@ async def one_request(session: Any, url: str, body: dict[str, Any]) -> RequestRe
     return res
 
 
-async def _clients(url: str, model: str, prompts: list[list[int]], clients: int,
-                   output_len: int) -> list[RequestResult]:  # fmt: skip
+async def _clients(
+    url: str, model: str, prompts: list[list[int]], clients: int, output_len: int
+) -> list[RequestResult]:
     import aiohttp
 
     queue = list(reversed(prompts))
@@ -156,8 +157,9 @@ async def _clients(url: str, model: str, prompts: list[list[int]], clients: int,
     return [r for batch in done for r in batch]
 
 
-def _client_proc(url: str, model: str, prompts: list[list[int]], clients: int,
-                 output_len: int) -> list[dict[str, Any]]:  # fmt: skip
+def _client_proc(
+    url: str, model: str, prompts: list[list[int]], clients: int, output_len: int
+) -> list[dict[str, Any]]:
     results = asyncio.run(_clients(url, model, prompts, clients, output_len))
     return [asdict(r) for r in results]
 
@@ -195,8 +197,17 @@ def run_served(url: str, model: str, sc: Scenario, seed: int, procs: int) -> dic
 
 
 def start_server(args: argparse.Namespace, server_args: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "atom.cli.main", "serve", *server_args,
-           "--host", "127.0.0.1", "--port", str(args.port)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "atom.cli.main",
+        "serve",
+        *server_args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
     print("starting:", " ".join(cmd), flush=True)
     log = open(args.server_log, "wb")  # noqa: SIM115 (lives as long as the server)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -248,8 +259,9 @@ def offline_worker(spec_json: str) -> None:
     for sc in (Scenario(**s) for s in spec["scenarios"]):
         prompts = prompts_for(sc, spec["seed"])
         params = SamplingParams(temperature=0.0, max_tokens=sc.output_len, ignore_eos=True)
-        engine.generate(prompts[: sc.clients], SamplingParams(temperature=0.0, max_tokens=4,
-                                                              ignore_eos=True))  # fmt: skip
+        engine.generate(
+            prompts[: sc.clients], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )
         t0 = time.perf_counter()
         tokens = 0
         for i in range(0, len(prompts), sc.clients):  # closed loop: batches of the concurrency
@@ -261,11 +273,14 @@ def offline_worker(spec_json: str) -> None:
 
 
 def run_offline(server_args: list[str], scenarios: list[Scenario], seed: int) -> list[dict]:
-    spec = json.dumps({"server_args": server_args, "scenarios": [asdict(s) for s in scenarios],
-                       "seed": seed})  # fmt: skip
+    spec = json.dumps(
+        {"server_args": server_args, "scenarios": [asdict(s) for s in scenarios], "seed": seed}
+    )
     cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", spec]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
         if line.startswith("OFFLINE "):
@@ -275,8 +290,10 @@ def run_offline(server_args: list[str], scenarios: list[Scenario], seed: int) ->
 
 # ---- report -------------------------------------------------------------------------------------
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'scenario':<24} {'fail':>4} {'served tok/s':>12} {'offline tok/s':>13} {'ratio':>6} "
-            f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'tok/evt':>7}")  # fmt: skip
+    head = (
+        f"{'scenario':<24} {'fail':>4} {'served tok/s':>12} {'offline tok/s':>13} {'ratio':>6} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'tok/evt':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -318,8 +335,13 @@ def check_targets(rows: list[dict[str, Any]]) -> list[str]:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -342,11 +364,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--client-procs", type=int, default=4, help="client processes (aiohttp each)")
     p.add_argument("--api-server-count", type=int, default=1)
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra serve flag (repeat), e.g. --server-arg=--num-kv-blocks=4096")  # fmt: skip
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra serve flag (repeat), e.g. --server-arg=--num-kv-blocks=4096",
+    )
     p.add_argument("--no-offline", action="store_true", help="served numbers only")
-    p.add_argument("--quick", action="store_true",
-                   help="CPU smoke run: tiny-llama, level 0, float32, 1/4/16 clients, short")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke run: tiny-llama, level 0, float32, 1/4/16 clients, short",
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--server-log", default="/tmp/atom-serve-bench-server.log")
     p.add_argument("--start-timeout", type=float, default=1800.0)
@@ -367,19 +396,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline_worker:
         offline_worker(args.offline_worker)
         return 0
-    scenarios = [Scenario(c, args.prompt_len, args.output_len, args.requests_per_client)
-                 for c in args.clients]  # fmt: skip
+    scenarios = [
+        Scenario(c, args.prompt_len, args.output_len, args.requests_per_client)
+        for c in args.clients
+    ]
     if args.long_clients:
-        scenarios.append(Scenario(args.long_clients, args.long_prompt_len, args.output_len,
-                                  args.requests_per_client))  # fmt: skip
-    engine_args = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype,
-                   "--level", str(args.level),
-                   "--max-num-seqs", str(max(256, *(s.clients for s in scenarios))),
-                   "--max-model-len", str(max(s.prompt_len + s.output_len for s in scenarios) + 16),
-                   *(["--cudagraph-mode", args.cudagraph_mode] if args.cudagraph_mode else []),
-                   *args.server_arg]  # fmt: skip
-    serve_args = [*engine_args, "--api-server-count", str(args.api_server_count),
-                  "--max-waiting", "4096"]  # fmt: skip
+        scenarios.append(
+            Scenario(
+                args.long_clients, args.long_prompt_len, args.output_len, args.requests_per_client
+            )
+        )
+    engine_args = [
+        "--model",
+        args.model,
+        "--load-format",
+        args.load_format,
+        "--dtype",
+        args.dtype,
+        "--level",
+        str(args.level),
+        "--max-num-seqs",
+        str(max(256, *(s.clients for s in scenarios))),
+        "--max-model-len",
+        str(max(s.prompt_len + s.output_len for s in scenarios) + 16),
+        *(["--cudagraph-mode", args.cudagraph_mode] if args.cudagraph_mode else []),
+        *args.server_arg,
+    ]
+    serve_args = [
+        *engine_args,
+        "--api-server-count",
+        str(args.api_server_count),
+        "--max-waiting",
+        "4096",
+    ]
     proc, url = start_server(args, serve_args)
     try:
         model = (_get(url + "/v1/models") or {"data": [{"id": args.model}]})["data"][0]["id"]
@@ -389,8 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         served = []
         for sc in scenarios:
             served.append(run_served(url, model, sc, args.seed, args.client_procs))
-            print(f"served  {sc.name}: {served[-1]['tok_s']} tok/s, "
-                  f"{served[-1]['failed']} failed", flush=True)  # fmt: skip
+            print(
+                f"served  {sc.name}: {served[-1]['tok_s']} tok/s, {served[-1]['failed']} failed",
+                flush=True,
+            )
     finally:
         stop_server(proc)
     offline = (
@@ -399,15 +450,23 @@ def main(argv: list[str] | None = None) -> int:
         else run_offline(engine_args, scenarios, args.seed)
     )
     rows = [
-        {"scenario": sc.name, "clients": sc.clients, "prompt_len": sc.prompt_len,
-         "output_len": sc.output_len, "served": s, "offline": o,
-         "ratio": round(s["tok_s"] / o["tok_s"], 3) if o["tok_s"] else 0.0}
+        {
+            "scenario": sc.name,
+            "clients": sc.clients,
+            "prompt_len": sc.prompt_len,
+            "output_len": sc.output_len,
+            "served": s,
+            "offline": o,
+            "ratio": round(s["tok_s"] / o["tok_s"], 3) if o["tok_s"] else 0.0,
+        }
         for sc, s, o in zip(scenarios, served, offline, strict=True)
-    ]  # fmt: skip
+    ]
     print()
-    print(f"model={model} level={status.get('level')} mode={status.get('mode')} "
-          f"effective_mode={status.get('effective_mode')} device={status.get('device')} "
-          f"api_servers={args.api_server_count} requests/client={args.requests_per_client}")  # fmt: skip
+    print(
+        f"model={model} level={status.get('level')} mode={status.get('mode')} "
+        f"effective_mode={status.get('effective_mode')} device={status.get('device')} "
+        f"api_servers={args.api_server_count} requests/client={args.requests_per_client}"
+    )
     print_table(rows)
     targets = check_targets(rows)
     for line in targets:
@@ -419,8 +478,18 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
         "model": model,
         "server_args": serve_args,
-        "server_status": {k: status.get(k) for k in ("level", "mode", "effective_mode", "device",
-                                                     "dtype", "max_num_seqs", "cache_key")},  # fmt: skip
+        "server_status": {
+            k: status.get(k)
+            for k in (
+                "level",
+                "mode",
+                "effective_mode",
+                "device",
+                "dtype",
+                "max_num_seqs",
+                "cache_key",
+            )
+        },
         "rows": rows,
         "targets": targets,
     }
