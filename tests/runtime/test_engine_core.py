@@ -92,6 +92,11 @@ def test_core_runs_in_its_own_process(server: Proc) -> None:
         ppid = int(f.read().split(") ", 1)[1].split()[1])
     assert ppid == server.proc.pid  # the API server's child
     assert s["api_server_count"] == 1 and s["state"] == "ready"
+    found = samples(server.url)  # one scrape, both processes' series
+    assert total(found, "atom_api_process_resident_memory_bytes") > 0
+    assert total(found, "atom_core_process_resident_memory_bytes") > 0
+    assert ("atom_kv_blocks_held", ()) in found  # the core's own registry
+    assert total(found, "atom_kv_blocks_total") == 4096  # the core's gauges, forwarded
     live = httpx.get(server.url + "/livez")
     assert live.status_code == 200 and live.json()["status"] == "alive"
 

@@ -23,7 +23,7 @@ from atom.tokenizer import BaseTokenizer, IncrementalDetokenizer, StopStringChec
 from atom.wire.errors import ENGINE_UNAVAILABLE
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)

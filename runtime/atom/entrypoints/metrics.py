@@ -9,7 +9,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -153,6 +153,8 @@ class ServerMetrics:
             self.registry,
         )
         self.registry.register(_EngineCollector(stats, counters, warmup))
+        # This process' memory and CPU (the engine core exports atom_core_process_*).
+        ProcessCollector(namespace="atom_api", registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,7 @@ line breaks but JSON does not escape are escaped here, so clients that split eve
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import orjson
@@ -23,6 +24,23 @@ _LINE_BREAKS = (
     (b"\xe2\x80\xa8", b"\\u2028"),
     (b"\xe2\x80\xa9", b"\\u2029"),
 )
+
+
+# id -> its text alone, per tokenizer: logprobs name every token, so decode each id once.
+_PIECES: weakref.WeakKeyDictionary[BaseTokenizer, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def token_pieces(tok: BaseTokenizer, ids: list[int]) -> list[str]:
+    cache = _PIECES.get(tok)
+    if cache is None:
+        cache = _PIECES[tok] = {}
+    out = []
+    for i in ids:
+        piece = cache.get(i)
+        if piece is None:
+            piece = cache[i] = tok.decode([i], skip_special_tokens=False)
+        out.append(piece)
+    return out
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -60,7 +78,7 @@ class OpenAIFormatter:
         if not self.req.logprobs:
             return None
         lps = lps if lps is not None else [0.0] * len(ids)
-        tokens = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+        tokens = token_pieces(self.tok, ids)
         if self.chat:
             return {
                 "content": [

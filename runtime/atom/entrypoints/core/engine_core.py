@@ -129,9 +129,12 @@ class EngineCore:
                 s.close(linger=1000)
 
     def _run(self) -> int:
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, ProcessCollector
 
         self._registry = CollectorRegistry()
+        # ThreadCore shares its process with the API server, whose collector already covers it.
+        if self.parent_pid is not None:
+            ProcessCollector(namespace="atom_core", registry=self._registry)
         try:
             self._set_state("starting", "building the engine (model, KV cache)")
             kv_port = None
