@@ -147,25 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-log", default="/tmp/atom-soak-server.log")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    cmd = [
-        sys.executable,
-        "-m",
-        "atom.cli.main",
-        "serve",
-        "--model",
-        "tiny-llama",
-        "--load-format",
-        "dummy",
-        "--level",
-        "0",
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        *args.server_arg,
-    ]
+    tiny = "--model tiny-llama --load-format dummy --level 0 --dtype float32".split()
+    cmd = [sys.executable, "-m", "atom.cli.main", "serve", *tiny]
+    cmd += ["--host", "127.0.0.1", "--port", str(args.port), *args.server_arg]
     log = open(args.server_log, "wb")  # noqa: SIM115 (lives as long as the server)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
