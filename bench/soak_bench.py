@@ -2,7 +2,8 @@
 
 Starts `atom-runtime serve` (CPU tiny-llama, level 0, unless told otherwise), then sends
 --requests requests from --concurrency aiohttp clients: a mix of streaming and whole
-completions and chats, every --abort-every-th one hung up after its first event. Every
+completions and chats, every --abort-every-th one hung up after its first event, every
+--large-every-th one a --large-kb body far above the context (parsed, tokenized, refused). Every
 1,000 requests it prints the resident memory (VmRSS) of the API server and of the engine
 core; at the end the slope over the second half (MB per 1,000 requests), which is ~0 once
 memory has plateaued.
@@ -49,20 +50,23 @@ def slope(points: list[tuple[int, float]]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
 
 
-async def one(session: Any, url: str, model: str, i: int, abort_every: int, max_tokens: int) -> str:
+async def one(session: Any, url: str, model: str, i: int, args: argparse.Namespace) -> str:
     import aiohttp
 
     chat, stream = i % 2 == 0, i % 3 != 0
-    abort = abort_every and i % abort_every == 0
+    abort = args.abort_every and i % args.abort_every == 0
+    large = args.large_every and i % args.large_every == 1
     stream = stream or abort
     body: dict[str, Any] = {
         "model": model,
-        "max_tokens": max_tokens + i % 7,
+        "max_tokens": args.max_tokens + i % 7,
         "ignore_eos": True,
         "stream": stream,
         "temperature": 0.0 if i % 4 else 0.8,
     }
     prompt = f"soak request {i} " + "x" * (i % 97)
+    if large:  # a legal body far above the context: parsed and tokenized, then a 400
+        prompt += " y" * (args.large_kb * 512)
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
@@ -111,7 +115,7 @@ async def soak(args: argparse.Namespace, url: str, pids: dict[str, int], model: 
                     if next_i >= args.requests:
                         return
                     i, next_i = next_i, next_i + 1
-                out = await one(session, url, model, i, args.abort_every, args.max_tokens)
+                out = await one(session, url, model, i, args)
                 outcomes[out] = outcomes.get(out, 0) + 1
                 done += 1
                 if done % 1000 == 0:
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "--abort-every", type=int, default=5, help="hang up every n-th request (0: none)"
     )
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--large-every", type=int, default=10, help="every n-th body is large (0: none)")
+    p.add_argument("--large-kb", type=int, default=512, help="size of the large bodies")
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--server-arg", action="append", default=[], help="extra serve flag (repeat)")
     p.add_argument("--server-log", default="/tmp/atom-soak-server.log")
