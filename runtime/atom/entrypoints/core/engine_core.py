@@ -9,6 +9,7 @@ heartbeat (Stats) that /livez reads.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -154,6 +155,10 @@ class EngineCore:
             self._set_state("warming", "warming up: compiling and capturing CUDA graphs")
             warmup = dict(self.engine.warmup() or {})
             self.info = self._engine_info(warmup)
+            # The model, compiled graphs and caches live for the whole process: keep the
+            # cyclic collector from walking them again and again between steps.
+            gc.collect()
+            gc.freeze()
             self._set_state("ready", "ready")
         except Exception as exc:
             logger.exception("engine start-up failed")
