@@ -436,22 +436,15 @@ class ThreadCore(CoreClient):
         self._code: int | None = None
 
     def _launch(self) -> None:
+        bound = threading.Event()  # inproc: the core must bind before we connect
         self.core = EngineCore(
-            self._build, self.endpoints, self._sync_ctx, params_cls=self._params_cls
+            self._build, self.endpoints, self._sync_ctx, params_cls=self._params_cls, bound=bound
         )
         if self._kv is not None:
             from atom.entrypoints.core.kv import CoreKV
 
             self.core.kv = CoreKV(self._kv.service(), self.core.wake)
-        bound = threading.Event()
         core = self.core
-        orig_open = core._open
-
-        def _open() -> None:  # inproc: the core must bind before we connect
-            orig_open()
-            bound.set()
-
-        core._open = _open  # type: ignore[method-assign]
 
         def run() -> None:
             try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class EngineCore:
     kv: Any = None  # atom.entrypoints.core.kv.CoreKV, or None
     params_cls: type | None = None
     parent_pid: int | None = None  # exit when this process is gone (the API server died)
+    bound: threading.Event | None = None  # set once the input socket is bound (inproc needs it)
     engine: Any = None
     state: str = "starting"
     reason: str = "engine is starting"
@@ -93,6 +95,8 @@ class EngineCore:
         self._poller.register(self._wake_in, zmq.POLLIN)
         self._enc = encoder()
         self._dec = input_decoder()
+        if self.bound is not None:
+            self.bound.set()
 
     def wake(self) -> None:
         """Called from the KV I/O thread only (its own socket)."""
