@@ -96,6 +96,8 @@ def run_serve(args: Any, config: Any) -> int:
     from atom.entrypoints.core.client import ProcessCore
     from atom.entrypoints.core.process import CoreSpec, new_endpoints
 
+    if args.api_server_count > 1 and args.port == 0:
+        raise ValueError("--api-server-count > 1 needs a fixed --port (the servers share it)")
     endpoints = new_endpoints(args.api_server_count)
     spec = CoreSpec(config, endpoints, kv_settings(args), os.getpid(), args.log_level)
     workers = ApiWorkers(args, config, endpoints)
