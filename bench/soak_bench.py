@@ -64,6 +64,10 @@ async def one(session: Any, url: str, model: str, i: int, args: argparse.Namespa
         "stream": stream,
         "temperature": 0.0 if i % 4 else 0.8,
     }
+    if i % 4 == 0:
+        body["seed"] = i  # a generator per request in the engine
+    if i % 8 in (2, 3):  # chat takes a boolean, completions a count
+        body["logprobs"] = True if chat else 1
     prompt = f"soak request {i} " + "x" * (i % 97)
     if large:  # a legal body far above the context: parsed and tokenized, then a 400
         prompt += " y" * (args.large_kb * 512)
@@ -105,7 +109,8 @@ async def soak(args: argparse.Namespace, url: str, pids: dict[str, int], model: 
         print(json.dumps(row), flush=True)
 
     sample()
-    conn = aiohttp.TCPConnector(limit=args.concurrency + 4)
+    # --new-connections: one TCP connection per request, as many clients behave.
+    conn = aiohttp.TCPConnector(limit=args.concurrency + 4, force_close=args.new_connections)
     async with aiohttp.ClientSession(connector=conn) as session:
 
         async def worker() -> None:
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "--abort-every", type=int, default=5, help="hang up every n-th request (0: none)"
     )
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--new-connections", action="store_true", help="no keep-alive reuse")
     p.add_argument("--large-every", type=int, default=10, help="every n-th body is large (0: none)")
     p.add_argument("--large-kb", type=int, default=512, help="size of the large bodies")
     p.add_argument("--port", type=int, default=8124)
