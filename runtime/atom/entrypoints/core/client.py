@@ -275,8 +275,8 @@ class CoreClient:
 
     async def scrape(self, timeout: float = 2.0) -> bytes:
         """The core's own Prometheus series (KV transfers); empty when it does not answer."""
-        if self.core_exit() is not None:
-            return b""
+        if self.state != "ready" or self.core_exit() is not None:
+            return b""  # building or warming: the core answers nothing until its loop runs
         self._scrape_seq += 1
         seq = self._scrape_seq
         fut = asyncio.get_running_loop().create_future()
