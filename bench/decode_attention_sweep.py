@@ -2,7 +2,7 @@
 Llama-3.2-1B attention shape (32 query heads, 8 kv heads, head_dim 64), issue 5.
 
 For each batch and context, in a block table sized for a max_model_len, times one decode
-attention call as 20 back-to-back calls in one CUDA graph (bench/gemv_sweep.py's method), for
+attention call as 20 back-to-back calls in one CUDA graph (bench/common.py's time_graph), for
 each split count and the launcher's own choice; beside the KV bytes over the measured copy
 rate, for each variant in VARIANTS (what each launch includes).
 
@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from atom.models.registry import load_model_config  # noqa: E402
-from decode_bench import copy_rate_bytes_per_s  # noqa: E402
-from gemv_sweep import time_graph  # noqa: E402
+from atom.models.registry import load_model_config
+from common import copy_rate_bytes_per_s, time_graph
 
 # The Llama-3.2-1B attention shape, from the model registry; the engine's block size.
 _SHAPE = load_model_config("llama-3.2-1b")
@@ -39,6 +35,7 @@ VARIANTS = {
 
 def main() -> None:
     import atom.kernels.triton_attention as tk
+    from atom.kernels import tuning
     from atom.kernels.testing import random_paged_batch
     from atom.layers.rotary import Rope, RotaryEmbedding
 
@@ -55,7 +52,7 @@ def main() -> None:
                               "cases": []}
     for max_len in args.max_model_lens:
         width = max_len // BLOCK
-        tiles = width * BLOCK // tk._DECODE_TILE_N
+        tiles = width * BLOCK // tuning.DECODE_TILE_N
         for ctx in [c for c in args.contexts if c < max_len]:
             for b in args.batches:
                 batch = random_paged_batch([1] * b, [ctx] * b, HEADS, KV_HEADS, HEAD_DIM,

@@ -29,7 +29,6 @@ import gc
 import json
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,36 +36,9 @@ from typing import Any
 
 import torch
 
-MODEL = "llama-3.2-1b"
+from common import MODEL, copy_rate_bytes_per_s, git_commit, projection_shapes, sync
+
 DEFAULT_LADDER = list(range(1, 9)) + list(range(16, 513, 16))
-
-
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
-def copy_rate_bytes_per_s(nbytes: int = 2 << 30, iters: int = 10) -> float:
-    """Device copy rate counting the bytes read and written (2 x size per copy)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    _sync()
-    rate = 2 * nbytes * iters / (time.perf_counter() - t0)
-    del src, dst
-    torch.cuda.empty_cache()
-    return rate
-
-
-def projection_shapes(c: Any) -> dict[str, tuple[int, int]]:
-    """A decoder layer's projection weights from a model config: name -> (rows, K)."""
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size),
-            "down": (c.hidden_size, c.intermediate_size)}
 
 
 def shape_bytes(context: int) -> tuple[int, int]:
@@ -168,6 +140,7 @@ def fill_batch(engine, batch: int, context: int) -> None:
 def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
     """(runner, input_ids, logits indices) of the next decode batch, prepared once with its
     forward context set; on exit the sequences are un-scheduled (the next step takes them)."""
+    from atom.engine.batch import StepBatch
 
     runner = engine.runner
     engine.read_launched()  # the batch's tokens on the host: nothing pending on the device
@@ -179,8 +152,9 @@ def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
         pad = runner.graph_runner.pad_sizes(runner, seqs, False)
     try:
         with torch.inference_mode():
-            input_ids, _, meta, context = runner.prepare_inputs(seqs, False, *pad)
-            idx = runner.logits_rows(runner._logits_indices(seqs)[0])  # as execute_model
+            batch = StepBatch.of(seqs, False)
+            input_ids, _, meta, context = runner.prepare_inputs(batch, *pad)
+            idx = runner.logits_rows(runner._logits_indices(batch))  # as execute_model
             with runner.step_context(meta, context):
                 yield runner, input_ids, idx
     finally:
@@ -193,11 +167,11 @@ def time_forward(engine, iters: int) -> float:
     with prepared_decode(engine) as (runner, input_ids, idx):
         for _ in range(3):
             runner.run_model(input_ids, idx)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             runner.run_model(input_ids, idx)
-        _sync()
+        sync()
         return (time.perf_counter() - t0) / iters * 1e3
 
 
@@ -211,7 +185,7 @@ def time_steps(engine, steps: int, asynchronous: bool = True) -> tuple[float, fl
     try:
         for _ in range(2):
             engine.step()
-        _sync()
+        sync()
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         engine.step()
@@ -219,7 +193,7 @@ def time_steps(engine, steps: int, asynchronous: bool = True) -> tuple[float, fl
         for _ in range(steps - 1):
             engine.step()
         last.record()
-        _sync()  # asynchronous: the last step has run, though not yet read
+        sync()  # asynchronous: the last step has run, though not yet read
         wall_ms = (time.perf_counter() - t0) / steps * 1e3
         return wall_ms, first.elapsed_time(last) / (steps - 1)
     finally:
@@ -353,13 +327,13 @@ def transformers_generate(model: Any, ids: torch.Tensor, new_tokens: int, cache_
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= stop_len,
                               dtype=torch.bool, device=input_ids.device)
 
-    _sync()
+    sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cache_tokens,
                        do_sample=False, cache_implementation="static", pad_token_id=0,
                        stopping_criteria=StoppingCriteriaList([StopAfter()]))
-    _sync()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -385,7 +359,7 @@ def bench_transformers(batches: list[int], context: int, n0: int, n1: int,
                        repeats: int = 5) -> dict[str, Any]:
     """ms per decode step of generate() with a static cache (auto torch.compile): the median
     over `repeats` of (time of n1 new tokens - time of n0) / (n1 - n0); one pair alone moved
-    by up to 60% between runs (bench/RESULTS.md)."""
+    by up to 60% between runs (docs/performance.md)."""
     model = transformers_model()
     out: dict[str, Any] = {}
     for batch in batches:
@@ -444,13 +418,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                    text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+    commit = args.commit or git_commit()
     rate = copy_rate_bytes_per_s()
     print(f"device copy rate {rate / 1e12:.2f} TB/s", flush=True)
     result: dict[str, Any] = {

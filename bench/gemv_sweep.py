@@ -1,5 +1,6 @@
 """Can a Triton GEMV beat cuBLAS on the decode-sized projections? (issue 5; the answer on an
-H200 was no: see bench/RESULTS.md, so the engine keeps cuBLAS and this kernel lives here.)
+H200 was no, docs/performance.md; the engine's fused kernel, atom.kernels.triton_norm_gemv, came
+later.)
 
 The kernel: each program streams a strip of BLOCK_N weight rows across K once, with the rows of
 x (padded to 16) as the other operand of a tensor-core dot. For each projection of the
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-CALLS = 20
+from common import MODEL, projection_shapes, time_graph
 
 
 @triton.jit
@@ -67,36 +67,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     return y
 
 
-def record_graph(fn: Any, calls: int = 1) -> torch.cuda.CUDAGraph:
-    """fn run once (its kernels compiled), then recorded `calls` times in one CUDA graph that
-    is replayed once before it is returned."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def time_graph(fn: Any, iters: int = 50) -> float:
-    """Microseconds per call of fn, recorded CALLS times in one graph."""
-    g = record_graph(fn, CALLS)
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            g.replay()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / iters / CALLS * 1e6)
-    return sorted(samples)[len(samples) // 2]
-
-
 def main() -> None:
     from atom.models.registry import load_model_config
 
@@ -104,8 +74,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     args = ap.parse_args()
-    from decode_bench import MODEL, projection_shapes
-
     shapes = projection_shapes(load_model_config(MODEL))
     configs = list(itertools.product([16, 32, 64], [128, 256, 512], [4, 8], [2, 3, 4, 5]))
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}

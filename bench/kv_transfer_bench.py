@@ -46,15 +46,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "runtime"))
-
 from atom.disagg.client import pull_kv  # noqa: E402
 from atom.disagg.handle import KVHandle  # noqa: E402
 from atom.disagg.holds import KVHoldRegistry  # noqa: E402
 from atom.disagg.kv_blocks import engine_layout, layout_of_cache, scatter_blocks  # noqa: E402
 from atom.disagg.server import KVServer, KVSource  # noqa: E402
 from atom.models.registry import BUILTIN_SHAPES  # noqa: E402
+from common import REPO, git_commit, start_router, start_server  # noqa: E402
 
 BLOCK = 16
 IDENTITY = "bench-kv-shape"
@@ -276,10 +274,9 @@ async def bench_ttft(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def bench_http(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Real servers and the router (needs aiohttp, pydantic: the runtime's own dependencies)."""
-    sys.path.insert(0, str(REPO / "tests" / "runtime"))
-    from server_proc import start_router, start_server
-
-    model = ["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", "8",
+    # dummy weights at level 0 whatever --level says, as these rows were always measured
+    model = ["--model", args.model, "--load-format", "dummy", "--level", "0",
+             "--dtype", args.dtype, "--max-num-seqs", "8",
              "--max-model-len", str(max(args.tokens) + args.max_tokens + BLOCK),
              "--num-kv-blocks", str(args.kv_blocks)]  # fmt: skip
     procs = [start_server(*model), start_server(*model, "--role", "prefill", "--kv-port", "0"),
@@ -344,15 +341,6 @@ def tiny_with_positions(name: str, positions: int) -> str:
     return str(path)
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                             capture_output=True, text=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", nargs="+", default=None, choices=["transfer", "ttft", "http"],
@@ -391,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "commit": git_commit(),
+        "commit": git_commit(short=True),
         "command": " ".join(["python", "bench/kv_transfer_bench.py", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "host": platform.node(),

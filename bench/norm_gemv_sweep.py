@@ -3,7 +3,7 @@ variant and tile configuration, on the Llama-3.2-1B decode projections (issue 5)
 
 Tiles: each projection (qkv and gate_up plain and with the norm, o and down with the
 residual) per tile configuration, timed as 20 back-to-back calls in one CUDA graph
-(bench/gemv_sweep.py's method) over weight copies that overflow L2, per row count.
+(bench/common.py's time_graph) over weight copies that overflow L2, per row count.
 Chain: the four projections of 16 decoder layers (qkv with its norm, o_proj + residual,
 gate_up with norm and gate, down_proj + residual) in one graph, as a decode step runs them,
 with the default tiles and with the same tiles on one accumulator (no K split); per layer,
@@ -22,18 +22,14 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from atom.models.registry import load_model_config  # noqa: E402
-from decode_bench import MODEL, copy_rate_bytes_per_s, projection_shapes  # noqa: E402
-from gemv_sweep import record_graph, time_graph  # noqa: E402
+from atom.models.registry import load_model_config
+from common import MODEL, copy_rate_bytes_per_s, projection_shapes, record_graph, time_graph
 
 # (BLOCK_N, BLOCK_K, warps, stages, SPLIT): SPLIT 1 is one accumulator chain per strip.
 CONFIGS = {

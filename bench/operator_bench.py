@@ -14,33 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-
-from atomd_e2e import (  # noqa: E402
-    Kubectl,
-    OperatorProcess,
-    atomd,
-    env_with_path,
-    install_crd,
-    is_ready,
-    wait_for,
-)
-
-from atom_operator import builders  # noqa: E402
-from atom_operator.builders import Owner  # noqa: E402
-from atom_operator.devcluster import LocalCluster  # noqa: E402
-from atom_operator.kube import Kube  # noqa: E402
-from atom_operator.models import AtomDeploymentSpec  # noqa: E402
-from atom_operator.snapshot import Snapshot, deployment_complete  # noqa: E402
+from atom_operator import builders
+from atom_operator.builders import Owner
+from atom_operator.devcluster import LocalCluster
+from atom_operator.kube import Kube
+from atom_operator.models import AtomDeploymentSpec
+from atom_operator.snapshot import Snapshot, deployment_complete
+from common import REPO, Served, free_port, wait_for
 
 RAW_NS, OP_NS = "bench-raw", "bench-operator"
 # No GPU requests and no cache claim: the local cluster has no provisioner, and we measure the
@@ -96,8 +82,46 @@ def run_raw(kube: Kube, count: int) -> dict[str, float]:
     }
 
 
-def run_operator(kube: Kube, kubectl: Kubectl, op: OperatorProcess, count: int) -> dict[str, float]:
-    docs = [atomd(f"m{i}", OP_NS, SPEC) for i in range(count)]
+def install_crd(cluster: LocalCluster) -> None:
+    """Apply the generated CRD and poll until it is served (`kubectl wait` fails while the CRD
+    has no conditions yet)."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "atomdeployment.yaml"))
+    established = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+    crd = ("get", "crd", "atomdeployments.atom.dev", "-o", established)
+    wait_for(lambda: cluster.kubectl(*crd, check=False).stdout.strip() == "True",
+             timeout=60, what="CRD Established")  # fmt: skip
+
+
+def start_operator(cluster: LocalCluster, interval: float) -> Served:
+    """`python -m atom_operator.main` on the cluster, watching the benchmark's namespace."""
+    port = free_port()
+    env = {**cluster.env(), "ATOM_OPERATOR_NAMESPACES": OP_NS,
+           "ATOM_OPERATOR_RECONCILE_INTERVAL": str(interval),
+           "ATOM_OPERATOR_HEALTH_PORT": str(port),
+           "ATOM_OPERATOR_DEFAULT_IMAGE": "atom-runtime:e2e",
+           "ATOM_OPERATOR_LOG_LEVEL": "WARNING"}  # fmt: skip
+    return Served(["atom_operator.main"], port, "atom-operator", health="/healthz", env=env)
+
+
+def is_ready(obj: dict[str, Any]) -> bool:
+    """Ready at the current generation: phase and condition both."""
+    status = obj.get("status") or {}
+    ready = {c["type"]: c["status"] for c in status.get("conditions") or []}.get("Ready")
+    current = status.get("observedGeneration") == obj["metadata"]["generation"]
+    return current and status.get("phase") == "Ready" and ready == "True"
+
+
+def atomd(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "atom.dev/v1alpha1",
+        "kind": "AtomDeployment",
+        "metadata": {"name": name, "namespace": OP_NS},
+        "spec": SPEC,
+    }
+
+
+def run_operator(kube: Kube, count: int) -> dict[str, float]:
+    docs = [atomd(f"m{i}") for i in range(count)]
     start = time.monotonic()
     # All at once: parallel server-side applies, as a GitOps sync of a large repository would.
     applied_s = timed_parallel(lambda d: kube.apply(d, manager="bench-user"), docs)
@@ -112,8 +136,8 @@ def run_operator(kube: Kube, kubectl: Kubectl, op: OperatorProcess, count: int) 
     return {"apply_s": applied_s, "all_ready_s": time.monotonic() - start}
 
 
-def probe(op: OperatorProcess) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as r:
+def probe(op: Served) -> dict[str, Any]:
+    with urllib.request.urlopen(op.health_url, timeout=5) as r:
         return json.loads(r.read()).get("reconcile", {})
 
 
@@ -136,23 +160,19 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "operator_bench.json")
     args = parser.parse_args()
 
-    with LocalCluster(nodes=args.nodes) as cluster, tempfile.TemporaryDirectory() as tmp:
-        env = env_with_path(cluster.env())
-        kubectl = Kubectl(env)
+    with LocalCluster(nodes=args.nodes) as cluster:
         kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
-        install_crd(kubectl)
+        install_crd(cluster)
         for ns in (RAW_NS, OP_NS):
-            kubectl("create", "namespace", ns, check=False)
+            cluster.kubectl("create", "namespace", ns, check=False)
 
         raw = run_raw(kube, args.count)
-        kubectl("delete", "namespace", RAW_NS, "--wait=false")
+        cluster.kubectl("delete", "namespace", RAW_NS, "--wait=false")
 
-        op = OperatorProcess(env, Path(tmp), OP_NS)
-        op.env["ATOM_OPERATOR_RECONCILE_INTERVAL"] = str(args.interval)
-        op.env["ATOM_OPERATOR_LOG_LEVEL"] = "WARNING"
-        op.start()
+        op = start_operator(cluster, args.interval)
         try:
-            operated = run_operator(kube, kubectl, op, args.count)
+            op.wait_healthy(60)
+            operated = run_operator(kube, args.count)
             latency = probe(op)
             rss = peak_rss_mib(op.proc.pid)
         finally:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import step_timeline as st  # noqa: E402
+import decode_bench as db
+import step_timeline as st
+from common import sync
 
 
 def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
@@ -33,16 +31,16 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
     with db.prepared_decode(engine) as (runner, input_ids, idx):
         for _ in range(5):
             runner.run_model(input_ids, idx)
-        db._sync()
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             runner.run_model(input_ids, idx)
-        db._sync()
+        sync()
         wall_us = (time.perf_counter() - t0) / iters * 1e6
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 runner.run_model(input_ids, idx)
-            db._sync()
+            sync()
     per, timeline = st.gpu_activities(prof.events())
     total = sum(v[1] for v in per.values()) / iters
     rows = sorted(((k, v[0] / iters, v[1] / iters) for k, v in per.items()),
@@ -66,48 +64,48 @@ def kernel_table(engine: Any, iters: int) -> dict[str, Any]:
 # name -> (module, attribute, value while recording and replaying).
 ALTERNATIVES = {
     # The KV-store kernel before decode attention, instead of the decode kernel storing them.
-    "store-first": ("atom.layers.attention", "FUSED_DECODE_STORE", False),
+    "store-first": ("atom.kernels.tuning", "FUSED_DECODE_STORE", False),
     # o_proj as its own GEMV launch after decode attention, instead of sharing its launch.
-    "o-proj-apart": ("atom.layers.attention", "FUSED_DECODE_O_PROJ", False),
+    "o-proj-apart": ("atom.kernels.tuning", "FUSED_DECODE_O_PROJ", False),
     # The fused launch at 4 warps with 8 weight rows a program (three programs per SM) ...
-    "o-proj-strip8-4warps": [("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
-                             ("atom.kernels.triton_decode_o_proj", "NUM_WARPS", 4)],
+    "o-proj-strip8-4warps": [("atom.kernels.tuning", "FUSED_O_PROJ_STRIP_BYTES", 32 * 1024),
+                             ("atom.kernels.tuning", "FUSED_O_PROJ_WARPS", 4)],
     # ... or at 8 warps (two per SM).
-    "o-proj-strip8": ("atom.kernels.triton_decode_o_proj", "STRIP_BYTES", 32 * 1024),
+    "o-proj-strip8": ("atom.kernels.tuning", "FUSED_O_PROJ_STRIP_BYTES", 32 * 1024),
     # The fused launch with the weights loaded after the wait: what the preload buys.
-    "o-proj-no-preload": ("atom.kernels.triton_decode_o_proj", "PRELOAD_WEIGHTS", False),
+    "o-proj-no-preload": ("atom.kernels.tuning", "FUSED_O_PROJ_PRELOAD", False),
     # The decode attention as an ordinary launch, not started early beside the qkv projection.
-    "no-pdl": ("atom.kernels.triton_attention", "DECODE_PDL", False),
+    "no-pdl": ("atom.kernels.tuning", "DECODE_PDL", False),
     # One-row projections (qkv) on the tiled GEMV, not the early-launched preloading kernel.
-    "no-row-gemv": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0),
+    "no-row-gemv": ("atom.kernels.tuning", "ROW_GEMV_MAX_ROWS", 0),
     # The preloading kernel for decode batches up to 8 rows (qkv, and o_proj after attention).
-    "row-gemv-8": ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 8),
+    "row-gemv-8": ("atom.kernels.tuning", "ROW_GEMV_MAX_ROWS", 8),
     # At one row, only the single-wave tiled projections launched early (gate_up in strips of
     # 64, spread one per SM), not every one.
-    "one-wave-at-one-row": ("atom.kernels.triton_norm_gemv", "TILED_PDL_MAX_ROWS", 0),
+    "one-wave-at-one-row": ("atom.kernels.tuning", "TILED_PDL_MAX_ROWS", 0),
     # Above one row, no tiled projection launched early (before session 8) ...
-    "one-wave-off": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 0),
+    "one-wave-off": ("atom.kernels.tuning", "ONE_WAVE_PDL_MAX_ROWS", 0),
     # ... or the single-wave ones at up to 8 rows, not 16.
-    "one-wave-8": ("atom.kernels.triton_norm_gemv", "ONE_WAVE_PDL_MAX_ROWS", 8),
+    "one-wave-8": ("atom.kernels.tuning", "ONE_WAVE_PDL_MAX_ROWS", 8),
     # Decode attention split for 64 or 128 programs in all rather than 512: at one row, 8 or
     # 16 splits per kv head instead of up to 64 (fewer idle split programs in the launch) ...
-    "decode-programs-64": ("atom.kernels.triton_attention", "_TARGET_PROGRAMS", 64),
-    "decode-programs-128": ("atom.kernels.triton_attention", "_TARGET_PROGRAMS", 128),
+    "decode-programs-64": ("atom.kernels.tuning", "DECODE_TARGET_PROGRAMS", 64),
+    "decode-programs-128": ("atom.kernels.tuning", "DECODE_TARGET_PROGRAMS", 128),
     # ... or at most 1 or 4 splits per row (no combine, or a combine of 4 partials).
-    "decode-splits-1": ("atom.kernels.triton_attention", "_MAX_SPLITS", 1),
-    "decode-splits-4": ("atom.kernels.triton_attention", "_MAX_SPLITS", 4),
+    "decode-splits-1": ("atom.kernels.tuning", "DECODE_MAX_SPLITS", 1),
+    "decode-splits-4": ("atom.kernels.tuning", "DECODE_MAX_SPLITS", 4),
     # Key tiles of 32 rather than 64 (at one row and 512 tokens: 16 splits a kv head hold keys,
     # not 8).
-    "decode-tile-32": ("atom.kernels.triton_attention", "_DECODE_TILE_N", 32),
+    "decode-tile-32": ("atom.kernels.tuning", "DECODE_TILE_N", 32),
     # Early tiled launches with no weight tile loaded before their wait (down_proj loads one) ...
-    "tiled-no-preload": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 1 << 30),
+    "tiled-no-preload": ("atom.kernels.tuning", "TILED_PRELOAD_MIN_K", 1 << 30),
     # ... or every plain early launch loading one (qkv and o_proj at 2-16 rows too).
-    "tiled-preload-plain": ("atom.kernels.triton_norm_gemv", "TILED_PRELOAD_MIN_K", 0),
+    "tiled-preload-plain": ("atom.kernels.tuning", "TILED_PRELOAD_MIN_K", 0),
     # One-wave early launches in strips of BLOCK_N rows (qkv at 8 rows: 96 programs, not 128).
-    "full-strips": ("atom.kernels.triton_norm_gemv", "EVEN_STRIPS", False),
+    "full-strips": ("atom.kernels.tuning", "EVEN_STRIPS", False),
     # Neither the attention nor qkv launched early (the tiled projections still are).
-    "no-early-launch": [("atom.kernels.triton_attention", "DECODE_PDL", False),
-                        ("atom.kernels.triton_norm_gemv", "ROW_GEMV_MAX_ROWS", 0)],
+    "no-early-launch": [("atom.kernels.tuning", "DECODE_PDL", False),
+                        ("atom.kernels.tuning", "ROW_GEMV_MAX_ROWS", 0)],
 }
 
 

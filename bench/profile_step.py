@@ -22,16 +22,14 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import step_timeline as st  # noqa: E402
+import decode_bench as db
+import step_timeline as st
+from common import sync
 
 PHASES = ("schedule", "prepare", "launch", "sample", "read")
 # The step's own kernels around the forward: atom.kernels.triton_copy's staging of the inputs.
@@ -88,11 +86,11 @@ def step_kernels(engine: Any, steps: int, top: int
 
     for _ in range(3):
         engine.step()
-    db._sync()
+    sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
-        db._sync()
+        sync()
     per, timeline = st.gpu_activities(prof.events())
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
     return [{"name": k, "calls": round(c / steps, 2), "us": round(u / steps, 2)}
@@ -139,7 +137,7 @@ def main() -> None:
                          "DEVICE_READS_MIRRORS); several: each in turn, keys suffixed /NAME")
     args = ap.parse_args()
     from atom.config import CUDAGraphMode
-    from atom.model_engine import host_staging
+    from atom.engine import host_staging
 
     engine, result = db.profile_setup(args.level, args.batches, args.context, "phases_us",
                                       args.max_model_len)

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent / "compile_bench.py"
-sys.path.insert(0, str(BENCH.parent))
-import compile_bench  # noqa: E402
+import compile_bench
+
+BENCH = Path(compile_bench.__file__).resolve()
 
 PHASE = "warmup_model"
 

@@ -13,7 +13,7 @@ each by the matching chunk of an input vector (as a GEMV does) into per-row sums
   could not) read an input that other programs write (_phased_kernel).
 Beside them: a copy of the same bytes (torch) and one program per tile row group (many
 programs a SM, scheduled by the hardware). Median of 20 timed calls; TB/s of weight bytes read.
-bench/RESULTS.md, session 14, items 5, 7 and 8.
+Figures: bench/RESULTS.md; what they decided: docs/performance.md (the 3x target at batch 1).
 
     python bench/stream_rate.py --out stream.json [--tma-only]
 """

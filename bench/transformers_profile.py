@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-from step_timeline import Kernel, gpu_activities  # noqa: E402
+import decode_bench as db
+from step_timeline import Kernel, gpu_activities
 
 
 def busy_us(kernels: Sequence[Kernel]) -> float:

@@ -12,38 +12,67 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from atom_operator import models
 from atom_operator.kube import Kube
+from atom_operator.leader import Leadership
 from atom_operator.runner import run_one, seconds_since_reconcile
 
 COALESCE_S = 0.5
 
 
 class Requeue:
-    """A set of (namespace, name) keys to reconcile, drained by one worker thread."""
+    """A set of (namespace, name) keys to reconcile, drained by one worker thread; keys added
+    `later` join it when their time comes (retries after a failed apply)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._pending: set[tuple[str, str]] = set()
+        self._later: dict[tuple[str, str], float] = {}  # key -> due (monotonic)
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._clock = clock
 
     def add(self, namespace: str, name: str) -> None:
         with self._lock:
             self._pending.add((namespace, name))
             self._wake.set()
 
+    def later(self, namespace: str, name: str, delay: float) -> None:
+        due = self._clock() + delay
+        with self._lock:
+            key = (namespace, name)
+            self._later[key] = min(due, self._later.get(key, due))
+
+    def _promote(self) -> None:
+        now = self._clock()
+        for key, due in list(self._later.items()):
+            if due <= now:
+                del self._later[key]
+                self._pending.add(key)
+                self._wake.set()
+
     def drain(self) -> set[tuple[str, str]]:
         with self._lock:
+            self._promote()
             items, self._pending = self._pending, set()
             self._wake.clear()
             return items
 
     def wait(self, timeout: float) -> bool:
-        return self._wake.wait(timeout)
+        with self._lock:
+            self._promote()
+            if self._later:
+                timeout = max(0.0, min(timeout, min(self._later.values()) - self._clock()))
+        return self._wake.wait(timeout) or self._due()
+
+    def _due(self) -> bool:
+        with self._lock:
+            self._promote()
+            return bool(self._pending)
 
 
 class Background:
@@ -55,11 +84,15 @@ class Background:
         interval: float,
         default_image: str,
         logger: logging.Logger,
+        allow_host_volumes: bool = False,
+        leader: Leadership | None = None,
     ) -> None:
         self.kube = kube
         self.namespaces = namespaces
         self.interval = interval
         self.default_image = default_image
+        self.allow_host_volumes = allow_host_volumes
+        self.leader = leader  # None: always act
         self.logger = logger
         self.requeue = Requeue()
         self.stop = threading.Event()
@@ -77,25 +110,37 @@ class Background:
         for pool in (self.event_pool, self.resync_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def leading(self) -> bool:
+        return self.leader is None or self.leader.leading
+
     def reconcile_body(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
-        if meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp") or not self.leading:
             return
         try:
-            patch = run_one(
+            outcome = run_one(
                 self.kube,
                 meta=meta,
                 spec=obj.get("spec") or {},
                 status=obj.get("status") or {},
                 default_image=self.default_image,
                 logger=self.logger,
+                allow_host_volumes=self.allow_host_volumes,
             )
-            if patch:
-                self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], patch)
+            if outcome.patch:
+                self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], outcome.patch)
+            self.retry(meta["namespace"], meta["name"], outcome.retry_in)
         except Exception:  # one broken object must not stop the others
             self.logger.exception(
                 "reconcile of %s/%s failed", meta.get("namespace"), meta.get("name")
             )
+
+    def retry(self, namespace: str, name: str, delay: float | None) -> None:
+        """Reconcile again after `delay` seconds (a failed apply's backoff)."""
+        if delay is not None:
+            self.logger.info("retrying %s/%s in %.0fs", namespace, name, delay)
+            self.requeue.later(namespace, name, delay)
 
     def _map(self, pool: ThreadPoolExecutor, fn: Callable[[Any], None], items: list[Any]) -> None:
         if not self.stop.is_set():
@@ -119,14 +164,30 @@ class Background:
 
             self._map(self.event_pool, fetch_and_reconcile, keys)
 
+    def _list_all(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        base = f"/apis/{models.GROUP}/{models.VERSION}"
+        paths = [f"{base}/namespaces/{ns}/{models.PLURAL}" for ns in self.namespaces]
+        for path in paths or [f"{base}/{models.PLURAL}"]:
+            items += self.kube.request("GET", path).get("items", [])
+        return items
+
+    def resync_now(self) -> None:
+        """Requeue every AtomDeployment (on becoming the leader)."""
+        try:
+            for obj in self._list_all():
+                self.requeue.add(obj["metadata"]["namespace"], obj["metadata"]["name"])
+        except Exception:
+            self.logger.exception("listing AtomDeployments failed")
+            if not self.stop.is_set():
+                threading.Timer(1.0, self.resync_now).start()
+
     def _resync_loop(self) -> None:
         while not self.stop.wait(self.interval):
+            if not self.leading:
+                continue
             try:
-                items: list[dict[str, Any]] = []
-                base = f"/apis/{models.GROUP}/{models.VERSION}"
-                paths = [f"{base}/namespaces/{ns}/{models.PLURAL}" for ns in self.namespaces]
-                for path in paths or [f"{base}/{models.PLURAL}"]:
-                    items += self.kube.request("GET", path).get("items", [])
+                items = self._list_all()
                 # Objects an event reconciled within the interval are fresh already.
                 stale = [
                     o

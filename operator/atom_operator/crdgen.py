@@ -106,6 +106,7 @@ def build_crd() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
+        "x-kubernetes-validations": models.root_rules(),
     }
     _check_structural(root)
     return {
@@ -144,6 +145,11 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Mode", "type": "string", "jsonPath": ".status.graphMode"},
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                        {
+                            "name": "Reason",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="Degraded")].reason',
+                        },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                 }

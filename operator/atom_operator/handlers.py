@@ -14,9 +14,10 @@ from typing import Any
 
 import kopf
 
-from atom_operator import models, naming
+from atom_operator import metrics, models, naming
 from atom_operator.background import Background
 from atom_operator.kube import Kube
+from atom_operator.leader import AlwaysLeader, LeaderElector
 from atom_operator.runner import latency_summary, run_one
 from atom_operator.settings import Settings
 
@@ -29,6 +30,8 @@ CHILD_RESOURCES = [
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("", "v1", "persistentvolumeclaims"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 OURS = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 _state: dict[str, Any] = {}
@@ -58,14 +61,37 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     settings.execution.max_workers = 16
     kube = Kube.from_environment()
     _state["kube"] = kube
+    if SETTINGS.leader_election:
+        leader: LeaderElector | AlwaysLeader = LeaderElector(
+            kube,
+            namespace=SETTINGS.lease_namespace,
+            name=SETTINGS.lease_name,
+            identity=SETTINGS.identity,
+            lease_s=SETTINGS.lease_seconds,
+            renew_deadline_s=SETTINGS.lease_seconds * 2 / 3,
+            # Handlers skipped while standing by: the new leader reconciles everything.
+            on_elected=lambda: _state["background"].resync_now(),
+            logger=logger,
+        )
+    else:
+        leader = AlwaysLeader()
+    _state["leader"] = leader
     _state["background"] = bg = Background(
         kube,
         namespaces=SETTINGS.namespaces,
         interval=SETTINGS.reconcile_interval,
         default_image=SETTINGS.default_image,
         logger=logger,
+        allow_host_volumes=SETTINGS.allow_host_volumes,
+        leader=leader,
     )
     bg.start()
+    leader.start()
+    if SETTINGS.metrics_port:
+        try:
+            _state["metrics"] = metrics.serve(SETTINGS.metrics_port, lambda: leader.leading)
+        except OSError as exc:  # a port in use must not stop the operator
+            logger.warning("metrics on :%s not served: %s", SETTINGS.metrics_port, exc)
     logger.info(
         "atom-operator: resync every %ss, default image %s",
         SETTINGS.reconcile_interval,
@@ -75,8 +101,12 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
 
 @kopf.on.cleanup()
 def shutdown(**_: Any) -> None:
+    if "leader" in _state:
+        _state["leader"].release()
     if "background" in _state:
         _state["background"].shutdown()
+    if "metrics" in _state:
+        _state["metrics"].shutdown()
 
 
 @kopf.on.create(*RESOURCE, backoff=5)
@@ -90,16 +120,20 @@ def on_change(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
-    changed = run_one(
+    if not _state["leader"].leading:
+        return  # another replica acts; this one reconciles everything once elected
+    outcome = run_one(
         _state["kube"],
         meta=meta,
         spec=spec,
         status=status,
         default_image=SETTINGS.default_image,
         logger=logger,
+        allow_host_volumes=SETTINGS.allow_host_volumes,
     )
-    if changed:
-        patch.status.update(changed)
+    if outcome.patch:
+        patch.status.update(outcome.patch)
+    _state["background"].retry(meta["namespace"], meta["name"], outcome.retry_in)
 
 
 def _child_changed(body: kopf.Body, **_: Any) -> None:

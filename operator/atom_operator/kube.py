@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -25,6 +26,12 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Event": ("/api/v1", "events"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "Secret": ("/api/v1", "secrets"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
     "AtomDeployment": ("/apis/atom.dev/v1alpha1", "atomdeployments"),
 }
 
@@ -38,6 +45,14 @@ class ApiError(Exception):
         except (ValueError, AttributeError):
             self.message = body
         super().__init__(f"HTTP {status}: {self.message}")
+
+
+def apply_body(obj: dict[str, Any]) -> bytes:
+    """The apply body as UTF-8 JSON (JSON is YAML). Left to the client, a dict is sent through
+    `json.dumps` with ASCII escapes, so a character outside the Basic Multilingual Plane becomes
+    a surrogate pair `\\ud83d\\ude00`; the API server parses apply bodies as YAML, whose `\\u`
+    escapes are single code points, and refuses the lone surrogates. Raw UTF-8 has no escapes."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 @dataclass
@@ -114,7 +129,7 @@ class Kube:
             "PATCH",
             self.path(obj["kind"], meta["namespace"], meta["name"]),
             query=query,
-            body=obj,
+            body=apply_body(obj),
             content_type="application/apply-patch+yaml",
         )
 
@@ -133,6 +148,18 @@ class Kube:
             item.setdefault("kind", kind)
         return items
 
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless it exists (True: created now). Never updates: for objects
+        whose content must stay as first written (a generated token)."""
+        meta = obj["metadata"]
+        try:
+            self.request("POST", self.path(obj["kind"], meta["namespace"]), body=obj)
+        except ApiError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete with background propagation (children of Deployments/Jobs go too)."""
         try:
@@ -148,6 +175,31 @@ class Kube:
         except ApiError as exc:
             if exc.status != 404:
                 raise
+
+    def post_event(
+        self, involved: dict[str, Any], event_type: str, reason: str, message: str
+    ) -> None:
+        """A core/v1 Event about `involved` (apiVersion, kind, name, namespace, uid)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "generateName": f"{involved['name']}.",
+                "namespace": involved["namespace"],
+            },
+            "involvedObject": involved,
+            "type": event_type,
+            "reason": reason[:128],
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "reportingInstance": os.environ.get("HOSTNAME", FIELD_MANAGER)[:128],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.request("POST", self.path("Event", involved["namespace"]), body=body)
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.request(

@@ -24,30 +24,91 @@ GRAPH_MODES: tuple[str, ...] = GraphMode.__args__  # type: ignore[attr-defined]
 Level = Literal[0, 1, 2, 3]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 Dtype = Literal["bfloat16", "float16", "float32", "auto"]
+RoutingPolicy = Literal["prefix", "least-outstanding"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
 
 MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
 DEFAULT_MAX_NUM_SEQS = 512  # the runtime's default (atom.cli.args)
+# metadata.name is the endpoint Service's name and the app.kubernetes.io/instance label value
+# of every child: both are DNS-1035 labels (63 characters, lowercase, no dots).
+MAX_NAME_LENGTH = 63
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+# Volume sources that reach the node itself (files, host binaries, git on the host).
+HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
+# The paths whose lists are capture sizes, checked against engine.maxNumSeqs.
+COMPILATION_PATHS = (
+    "compilation",
+    "disaggregation.prefill.compilation",
+    "disaggregation.decode.compilation",
+)
 
 # Kubernetes-native sub-objects (volume source, resources, ...) are passed through untouched.
 _OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
+
+
+def _section(model: type, description: str) -> Any:
+    """A sub-object that is always present: defaulted to {} by the API server, so its own
+    field defaults apply too."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
 
 
 def _opaque_object(description: str) -> Any:
     return Field(default=None, description=description, json_schema_extra=_OPAQUE)
 
 
-def _sizes_rule(path: str) -> dict[str, str]:
-    """CEL: every capture size of `path` is at most engine.maxNumSeqs (defaults applied)."""
+def _sizes_rule(path: str, *, single_value_clamped: bool = False) -> dict[str, str]:
+    """CEL: every capture size of `path` is at most engine.maxNumSeqs (defaults applied), as
+    the runtime's Config checks it. One cudaGraphSizes value N is a pattern the runtime clamps
+    to maxNumSeqs, so only lists of two or more values are checked there."""
     parts = path.split(".")
     guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
     max_seqs = f"(has(self.engine) && has(self.engine.maxNumSeqs) ? self.engine.maxNumSeqs : {DEFAULT_MAX_NUM_SEQS})"
+    check = f"self.{path}.all(s, s <= {max_seqs})"
+    message = f"every size in {path} must be at most engine.maxNumSeqs"
+    if single_value_clamped:
+        check = f"size(self.{path}) <= 1 || {check}"
+        message = (
+            f"{path} with several values is used as is: every value must be at most "
+            "engine.maxNumSeqs (one value N is a pattern clamped to maxNumSeqs)"
+        )
     return {
-        "rule": f"!({guards}) || self.{path}.all(s, s <= {max_seqs})",
-        "message": f"every size in {path} must be at most engine.maxNumSeqs",
+        "rule": f"!({guards}) || {check}",
+        "message": message,
         "fieldPath": f".{path}",
         "reason": "FieldValueInvalid",
     }
+
+
+def size_rules() -> list[dict[str, str]]:
+    """Every capture-size list of every compilation block, whatever its length."""
+    rules = []
+    for path in COMPILATION_PATHS:
+        rules.append(_sizes_rule(f"{path}.cudagraphCaptureSizes"))
+        rules.append(_sizes_rule(f"{path}.cudaGraphSizes", single_value_clamped=True))
+    return rules
+
+
+def root_rules() -> list[dict[str, str]]:
+    """CEL on the whole object (only there can a rule read metadata.name). No fieldPath: the
+    schema may not describe metadata, so the message names the field itself."""
+    why = (
+        "it names the endpoint Service and is the app.kubernetes.io/instance label of every "
+        "child, both DNS-1035 labels"
+    )
+    return [
+        {
+            "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: {why}",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+            "message": "metadata.name must be lowercase letters, digits and '-', start with a "
+            f"letter and end with a letter or digit (no dots): {why}",
+            "reason": "FieldValueInvalid",
+        },
+    ]
 
 
 class _Base(BaseModel):
@@ -183,7 +244,7 @@ class CompileCacheSpec(_Base):
     enabled: bool = Field(default=True, description="Mount a compile-cache volume.")
     size: str = Field(
         default="20Gi",
-        pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
+        pattern=QUANTITY,
         description="Requested size of the claim the operator creates.",
     )
     storage_class_name: str | None = Field(
@@ -210,7 +271,12 @@ class CompileCacheSpec(_Base):
 class RoleSpec(_Base):
     """One disaggregated role."""
 
-    replicas: int = Field(default=1, ge=0, description="Pods of this role.")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Pods of this role (at least 1: a disaggregated deployment without prefill "
+        "or decode pods cannot serve a request; delete it to stop serving).",
+    )
     compilation: CompilationOverride | None = Field(
         default=None, description="Overrides of spec.compilation for this role."
     )
@@ -222,8 +288,21 @@ class RoleSpec(_Base):
 class RouterSpec(_Base):
     """The router that pairs prefill and decode pods of one revision."""
 
-    replicas: int = Field(default=1, ge=0, description="Router pods.")
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        description="Router pods (every disaggregated request passes a router: two by default, "
+        "so a node drain or a router restart does not stop serving).",
+    )
     resources: dict[str, Any] | None = _opaque_object("Container resources of the router.")
+    routing_policy: RoutingPolicy = Field(
+        default="prefix",
+        description="How the router picks a prefill pod (atom-router --routing-policy): prefix "
+        "sends a request to the pod that most recently served the longest prefix of its prompt "
+        "(its prefix cache holds those blocks), passing over a pod whose outstanding requests "
+        "exceed 1.5x the mean + 2; least-outstanding ignores prompts. Decode pods are always "
+        "balanced by outstanding requests. Not in the compile-cache key.",
+    )
 
 
 class Disaggregation(_Base):
@@ -233,8 +312,58 @@ class Disaggregation(_Base):
     decode: RoleSpec = Field(
         description="The decode role (graph mode defaults to FULL_DECODE_ONLY)."
     )
-    router: RouterSpec = Field(
-        default_factory=RouterSpec, description="The router.", json_schema_extra={"default": {}}
+    router: RouterSpec = _section(RouterSpec, "The router.")
+
+
+class SecretKeyRef(_Base):
+    """A key of a Secret in the AtomDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(
+        default="api-key", min_length=1, max_length=253, description="Key in the Secret."
+    )
+
+
+def _peers_field(description: str) -> Any:
+    return Field(
+        default=None,
+        description=description,
+        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
+    )
+
+
+class NetworkPolicySpec(_Base):
+    """Ingress rules the operator renders as NetworkPolicies (docs/architecture.md)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Render NetworkPolicies: the KV port only from this AtomDeployment's decode "
+        "pods, prefill/decode HTTP only from its router, the endpoint from endpointFrom.",
+    )
+    endpoint_from: list[dict[str, Any]] | None = _peers_field(
+        "NetworkPolicyPeers allowed to the endpoint's port (unified pods, or the router). "
+        "Unset: every pod of every namespace."
+    )
+    metrics_from: list[dict[str, Any]] | None = _peers_field(
+        "NetworkPolicyPeers (a Prometheus) also allowed to the HTTP port of prefill and decode "
+        "pods, for /metrics. Unset: only the router."
+    )
+
+
+class MonitoringSpec(_Base):
+    """A Prometheus Operator PodMonitor for the runtime and router pods' /metrics."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Render a PodMonitor (monitoring.coreos.com/v1); when that CRD is not "
+        "installed the MonitoringReady condition says so.",
+    )
+    interval: str = Field(
+        default="30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval."
+    )
+    labels: dict[str, str] | None = Field(
+        default=None,
+        description="Extra labels on the PodMonitor (what a Prometheus' podMonitorSelector matches).",
     )
 
 
@@ -251,9 +380,7 @@ class AtomDeploymentSpec(_Base):
                     "fieldPath": ".replicas",
                     "reason": "FieldValueForbidden",
                 },
-                _sizes_rule("compilation.cudagraphCaptureSizes"),
-                _sizes_rule("disaggregation.prefill.compilation.cudagraphCaptureSizes"),
-                _sizes_rule("disaggregation.decode.compilation.cudagraphCaptureSizes"),
+                *size_rules(),
             ]
         }
     )
@@ -264,19 +391,16 @@ class AtomDeploymentSpec(_Base):
         description="Runtime image (default: the operator's ATOM_OPERATOR_DEFAULT_IMAGE).",
     )
     model: ModelSource = Field(description="The model to serve.")
-    engine: EngineSpec = Field(
-        default_factory=EngineSpec, description="Engine limits.", json_schema_extra={"default": {}}
+    engine: EngineSpec = _section(EngineSpec, "Engine limits.")
+    prefix_caching: bool = Field(
+        default=True,
+        description="Automatic prefix caching in every runtime pod: the KV blocks of prompt "
+        "prefixes seen before are reused instead of recomputed (false renders "
+        "--no-enable-prefix-caching). Not in the compile-cache key: it changes no compiled code "
+        "or captured graph, only which blocks the scheduler hands out.",
     )
-    compilation: Compilation = Field(
-        default_factory=Compilation,
-        description="Compilation level and CUDA graph settings.",
-        json_schema_extra={"default": {}},
-    )
-    compile_cache: CompileCacheSpec = Field(
-        default_factory=CompileCacheSpec,
-        description="Compile-cache volume.",
-        json_schema_extra={"default": {}},
-    )
+    compilation: Compilation = _section(Compilation, "Compilation level and CUDA graph settings.")
+    compile_cache: CompileCacheSpec = _section(CompileCacheSpec, "Compile-cache volume.")
     replicas: int | None = Field(
         default=None,
         ge=0,
@@ -308,16 +432,52 @@ class AtomDeploymentSpec(_Base):
         max_length=253,
         description="Change to roll every pod (a Git-friendly rollout restart).",
     )
+    shm_size: str = Field(
+        default="2Gi",
+        pattern=QUANTITY,
+        description="Size limit of /dev/shm (a memory-backed emptyDir; it counts against the "
+        "pod's memory).",
+    )
+    priority_class_name: str | None = Field(
+        default=None, min_length=1, max_length=253, description="PriorityClass of every pod."
+    )
+    runtime_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="RuntimeClass of runtime pods (for example nvidia).",
+    )
+    topology_spread_constraints: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Topology spread of runtime and router pods. Unset: a soft spread over "
+        "nodes (kubernetes.io/hostname, ScheduleAnyway) per role; [] for none.",
+        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API key: env ATOM_API_KEY of runtime and router "
+        "pods; /v1 endpoints then require Authorization: Bearer <key>.",
+    )
+    network_policy: NetworkPolicySpec = _section(
+        NetworkPolicySpec, "NetworkPolicies of the children."
+    )
+    monitoring: MonitoringSpec = _section(MonitoringSpec, "Prometheus scraping (opt-in).")
 
     @property
     def disaggregated(self) -> bool:
         return self.disaggregation is not None
 
+    def host_volume_types(self) -> list[str]:
+        """Host-reaching volume sources in model.volume (refused unless the operator allows)."""
+        return [t for t in HOST_VOLUME_TYPES if t in (self.model.volume or {})]
+
 
 class Condition(_Base):
     """A standard condition."""
 
-    type: str = Field(description="Ready, Progressing, Degraded or CompileCacheReady.")
+    type: str = Field(
+        description="Ready, Progressing, Degraded, CompileCacheReady or MonitoringReady."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable detail.")

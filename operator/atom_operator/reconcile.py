@@ -7,6 +7,8 @@ trigger converges the same way, and a restart mid-way just runs it again.
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -14,14 +16,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from atom_operator import builders, naming, status
+from atom_operator import builders, events, models, naming, status
 from atom_operator.applied import AppliedCache
 from atom_operator.builders import Owner, Plan
+from atom_operator.builders.secret import build_internal_token_secret
 from atom_operator.kube import ApiError, Kube
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot
 
 APPLIED = AppliedCache()
+SECRET_RECHECK_S = 300.0  # a token Secret deleted by hand comes back within this long
+_secrets_seen: dict[tuple[str, str, str], float] = {}  # (namespace, name, owner uid) -> when
+_secrets_lock = threading.Lock()
+_last_status: dict[str, dict[str, Any]] = {}  # uid -> status this process last computed
 
 
 @dataclass
@@ -32,6 +39,7 @@ class Result:
     deleted: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    monitoring_unavailable: bool = False
 
 
 def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
@@ -52,8 +60,61 @@ def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
         jobs=owned(kube.list("Job", ns, selector)),
         services=owned(kube.list("Service", ns, selector)),
         config_maps=owned(kube.list("ConfigMap", ns, selector)),
+        disruption_budgets=owned(kube.list("PodDisruptionBudget", ns, selector)),
+        network_policies=owned(kube.list("NetworkPolicy", ns, selector)),
         pvc=kube.get("PersistentVolumeClaim", ns, claim) if claim else None,
+        pod_monitors=owned(_optional_list(kube, "PodMonitor", ns, selector)),
+        autoscalers=_optional_list(kube, "HorizontalPodAutoscaler", ns, ""),
     )
+
+
+def _optional_list(kube: Kube, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Kinds the cluster may not serve (no Prometheus Operator) or RBAC may not grant (an
+    older chart): none of them, rather than a failed reconcile."""
+    try:
+        return kube.list(kind, namespace, selector)
+    except ApiError as exc:
+        if exc.status in (403, 404):
+            return []
+        raise
+
+
+def ensure_token_secret(kube: Kube, owner: Owner, name: str) -> None:
+    """Create the internal-token Secret once with a fresh random token; an existing one is
+    never read nor rewritten (no rotation on reconcile, and no RBAC to read Secrets)."""
+    key = (owner.namespace, name, owner.uid)
+    with _secrets_lock:
+        seen = _secrets_seen.get(key)
+    if seen is not None and time.monotonic() - seen < SECRET_RECHECK_S:
+        return
+    kube.create(build_internal_token_secret(owner, name, secrets.token_hex(32)))
+    with _secrets_lock:
+        _secrets_seen[key] = time.monotonic()
+
+
+def post_events(
+    kube: Kube,
+    owner: Owner,
+    previous: dict[str, Any] | None,
+    current: dict[str, Any],
+    logger: logging.Logger,
+) -> None:
+    involved = {
+        "apiVersion": f"{models.GROUP}/{models.VERSION}",
+        "kind": models.KIND,
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "uid": owner.uid,
+    }
+    # What this process computed last wins over the object's (possibly stale) status, so two
+    # triggers racing on one change post its events once.
+    before = _last_status.get(owner.uid, previous)
+    _last_status[owner.uid] = current
+    for ev in events.transitions(before, current):
+        try:
+            kube.post_event(involved, ev.type, ev.reason, ev.message)
+        except ApiError as exc:  # an event is a courtesy: never fail a reconcile for it
+            logger.warning("posting event %s failed: %s", ev.reason, exc.message)
 
 
 def reconcile(
@@ -67,6 +128,7 @@ def reconcile(
     previous_status: dict[str, Any] | None,
     default_image: str,
     logger: logging.Logger,
+    allow_host_volumes: bool = False,
 ) -> Result:
     started = time.monotonic()
     owner = Owner(name=name, namespace=namespace, uid=uid)
@@ -79,12 +141,37 @@ def reconcile(
             generation, str(exc), datetime.now(UTC), (previous_status or {}).get("conditions")
         )
         return Result(plan=Plan(), status=st, errors=[str(exc)], seconds=time.monotonic() - started)
+    if spec.host_volume_types() and not allow_host_volumes:
+        # The chart's ValidatingAdmissionPolicy refuses these at the API server; this holds
+        # where it is not installed. Nothing is applied for such a spec.
+        kinds = ", ".join(f"spec.model.volume.{t}" for t in spec.host_volume_types())
+        msg = (
+            f"{kinds}: host volumes are not allowed (they reach the node's files); set the "
+            "operator's ATOM_OPERATOR_ALLOW_HOST_VOLUMES=true (chart: admission.allowHostVolumes) "
+            "to allow them"
+        )
+        logger.warning(msg)
+        st = status.invalid_spec_status(
+            generation,
+            msg,
+            datetime.now(UTC),
+            (previous_status or {}).get("conditions"),
+            reason="HostVolumeForbidden",
+        )
+        return Result(plan=Plan(), status=st, errors=[], seconds=time.monotonic() - started)
     image = spec.image or default_image
     claim = builders.runtime.claim_name(owner, spec)
     snap = observe(kube, owner, claim)
     plan = builders.plan(owner, spec, image, snap)
 
     result = Result(plan=plan, status={})
+    if plan.token_secret:
+        try:  # before the pods that read it (the kubelet would wait for it anyway)
+            ensure_token_secret(kube, owner, plan.token_secret)
+        except ApiError as exc:
+            msg = f"Secret {plan.token_secret}: {exc.message}"
+            logger.warning("creating the internal token failed: %s", msg)
+            result.errors.append(msg)
     observed = snap.by_key()
     for obj in plan.apply:
         if APPLIED.unchanged(obj, observed.get((obj["kind"], obj["metadata"]["name"]))):
@@ -93,18 +180,17 @@ def reconcile(
             APPLIED.record(obj, kube.apply(obj))
             result.applied += 1
         except ApiError as exc:
+            if obj["kind"] == "PodMonitor" and exc.status == 404:
+                # The PodMonitor CRD is not installed: a condition says so; not a failure.
+                result.monitoring_unavailable = True
+                continue
             # One refused child (say, a PVC that cannot shrink) must not block the others.
             msg = f"{obj['kind']} {obj['metadata']['name']}: {exc.message}"
             logger.warning("apply failed: %s", msg)
             result.errors.append(msg)
 
     # Prune what the plan no longer wants; never PVCs: the compile cache outlives revisions.
-    for kind, items in (
-        ("Deployment", snap.deployments),
-        ("Service", snap.services),
-        ("ConfigMap", snap.config_maps),
-        ("Job", snap.jobs),
-    ):
+    for kind, items in snap.prunable():
         for item in items:
             item_name = item["metadata"]["name"]
             if (kind, item_name) not in plan.keep and not item["metadata"].get("deletionTimestamp"):
@@ -123,6 +209,8 @@ def reconcile(
         now=datetime.now(UTC),
         previous_conditions=(previous_status or {}).get("conditions"),
         apply_errors=result.errors,
+        monitoring_unavailable=result.monitoring_unavailable,
     )
+    post_events(kube, owner, previous_status, result.status, logger)
     result.seconds = time.monotonic() - started
     return result

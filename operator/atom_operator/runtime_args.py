@@ -97,6 +97,8 @@ def render_args(
         args += ["--max-model-len", str(spec.engine.max_model_len)]
     if spec.engine.enforce_eager:
         args.append("--enforce-eager")
+    if not spec.prefix_caching:  # on by default in the runtime
+        args.append("--no-enable-prefix-caching")
     args += ["--level", str(comp.level)]
     if comp.cudagraph_mode is not None:
         args += ["--cudagraph-mode", comp.cudagraph_mode]
@@ -112,7 +114,8 @@ def render_args(
         args += ["--compile-cache-dir", cache_dir]
     args += ["--role", role]
     if role in (naming.PREFILL, naming.DECODE):
-        args += ["--kv-port", str(naming.KV_PORT)]
+        # $(POD_IP) is expanded by the kubelet from the env of the same name (downward API).
+        args += ["--kv-port", str(naming.KV_PORT), "--kv-host", "$(POD_IP)"]
     return args
 
 
@@ -122,7 +125,8 @@ def command_line(args: list[str]) -> str:
 
 def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
     """Hash of what changes compiled code: image, model identity, dtype, engine shape and the
-    role's effective compilation. Replicas, names, IPs and ports never enter it."""
+    role's effective compilation. Replicas, names, IPs and ports never enter it, nor
+    prefixCaching or the router's routingPolicy (they change no compiled code or graph)."""
     comp = effective_compilation(spec, role)
     comp_fields = comp.model_dump(exclude_none=True)
     if graph_mode(spec, comp) == "NONE":  # ignored sizes must not split the cache

@@ -15,19 +15,33 @@ class Snapshot:
     jobs: list[dict[str, Any]] = field(default_factory=list)
     services: list[dict[str, Any]] = field(default_factory=list)
     config_maps: list[dict[str, Any]] = field(default_factory=list)
+    disruption_budgets: list[dict[str, Any]] = field(default_factory=list)
+    network_policies: list[dict[str, Any]] = field(default_factory=list)
+    pod_monitors: list[dict[str, Any]] = field(default_factory=list)
     pvc: dict[str, Any] | None = None
+    autoscalers: list[dict[str, Any]] = field(default_factory=list)  # HPAs of the namespace
 
     def deployment(self, name: str) -> dict[str, Any] | None:
         return next((d for d in self.deployments if d["metadata"]["name"] == name), None)
+
+    def prunable(self) -> list[tuple[str, list[dict[str, Any]]]]:
+        """Children the operator deletes once the plan no longer wants them (never the claim:
+        the compile cache outlives revisions)."""
+        return [
+            ("Deployment", self.deployments),
+            ("Service", self.services),
+            ("ConfigMap", self.config_maps),
+            ("Job", self.jobs),
+            ("PodDisruptionBudget", self.disruption_budgets),
+            ("NetworkPolicy", self.network_policies),
+            ("PodMonitor", self.pod_monitors),
+        ]
 
     def by_key(self) -> dict[tuple[str, str], dict[str, Any]]:
         """Every observed child by (kind, name)."""
         out: dict[tuple[str, str], dict[str, Any]] = {}
         for kind, items in (
-            ("Deployment", self.deployments),
-            ("Job", self.jobs),
-            ("Service", self.services),
-            ("ConfigMap", self.config_maps),
+            *self.prunable(),
             ("PersistentVolumeClaim", [self.pvc] if self.pvc else []),
         ):
             for item in items:

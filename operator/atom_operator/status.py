@@ -6,13 +6,13 @@ at that revision (and the router on it), and Degraded names the cause.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from atom_operator import naming, runtime_args
+from atom_operator import naming, problems, runtime_args
 from atom_operator.builders import Plan
 from atom_operator.models import AtomDeploymentSpec
+from atom_operator.problems import Problem
 from atom_operator.snapshot import (
     Snapshot,
     deployment_complete,
@@ -23,13 +23,6 @@ from atom_operator.snapshot import (
 )
 
 CLAIM_PENDING_GRACE = timedelta(minutes=2)  # binding (or WaitForFirstConsumer) takes a moment
-CRASH_RESTARTS = 2
-
-
-@dataclass
-class Problem:
-    reason: str
-    message: str
 
 
 def _timestamp(now: datetime) -> str:
@@ -64,71 +57,55 @@ def _role_ready(counts: dict[str, Any], snap: Snapshot, role: str, revision: str
     )
 
 
-def crash_loops(snap: Snapshot) -> list[Problem]:
-    """Runtime pods that keep dying before their first Ready: compile or capture failing."""
-    problems = []
-    for pod in snap.pods:
-        if (
-            pod["metadata"].get("deletionTimestamp")
-            or label(pod, naming.LABEL_COMPONENT) != "runtime"
-        ):
-            continue
-        for cs in pod.get("status", {}).get("containerStatuses") or []:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            last = (cs.get("lastState") or {}).get("terminated") or {}
-            looping = (
-                waiting.get("reason") == "CrashLoopBackOff"
-                or cs.get("restartCount", 0) >= CRASH_RESTARTS
-            )
-            if looping and not cs.get("ready"):
-                detail = f"{cs.get('restartCount', 0)} restarts"
-                if last:
-                    detail += f", last exit {last.get('reason', 'Error')} (code {last.get('exitCode', '?')})"
-                problems.append(
-                    Problem(
-                        "CaptureCrashLoop",
-                        f"pod {pod['metadata']['name']} ({label(pod, naming.LABEL_ROLE)}) is crash-looping "
-                        f"during compile/capture: {detail}",
-                    )
-                )
-    return problems
-
-
 def cache_condition(
     spec: AtomDeploymentSpec, snap: Snapshot, plan: Plan, now: datetime
 ) -> tuple[str, str, str, list[Problem]]:
     """(status, reason, message, problems) of CompileCacheReady."""
     if not spec.compile_cache.enabled:
         return "True", "Disabled", "compile cache disabled: every pod compiles from scratch", []
-    problems: list[Problem] = []
+    found: list[Problem] = []
     pvc = snap.pvc
     claim = plan.claim_name
     if pvc is None:
-        return "False", "ClaimMissing", f"PersistentVolumeClaim {claim} not found", []
+        msg = f"PersistentVolumeClaim {claim} not found"
+        if spec.compile_cache.existing_claim:  # the operator creates its own claim, not this one
+            found.append(Problem("ClaimMissing", f"compileCache.existingClaim: {msg}"))
+        return "False", "ClaimMissing", msg, found
+    if pvc["metadata"].get("deletionTimestamp"):
+        msg = (
+            f"PersistentVolumeClaim {claim} is being deleted (kept until no pod uses it): pods "
+            "roll without the compile cache"
+        )
+        msg += (
+            "; the operator recreates the claim once it is gone"
+            if not spec.compile_cache.existing_claim
+            else "; recreate compileCache.existingClaim to use it again"
+        )
+        return "False", "ClaimTerminating", msg, [Problem("ClaimTerminating", msg)]
     phase = pvc.get("status", {}).get("phase", "Pending")
     if phase != "Bound":
         created = _parse_time(pvc["metadata"].get("creationTimestamp"))
         msg = f"PersistentVolumeClaim {claim} is {phase}"
         if phase == "Lost" or (created is not None and now - created > CLAIM_PENDING_GRACE):
-            problems.append(Problem("ClaimUnbound", msg + " (no volume bound to it)"))
-        return "False", "ClaimPending", msg, problems
+            found.append(Problem("ClaimUnbound", msg + " (no volume bound to it)"))
+        return "False", "ClaimPending", msg, found
     for key, job_name in plan.warmup_jobs.items():
         state = job_state(snap.job(job_name))
         if state == "Failed":
-            problems.append(
+            found.append(
                 Problem("WarmupFailed", f"warm-up Job {job_name} failed (cache key {key})")
             )
-            return "False", "WarmupFailed", f"warm-up Job {job_name} failed", problems
+            return "False", "WarmupFailed", f"warm-up Job {job_name} failed", found
         if state != "Complete":
             return (
                 "False",
                 "WarmingUp",
                 f"warm-up Job {job_name} is compiling into the cache",
-                problems,
+                found,
             )
     keys = ", ".join(f"{r}={k}" for r, k in plan.cache_keys.items())
     reason = "Warm" if plan.warmup_jobs else "Bound"
-    return "True", reason, f"claim {claim} bound; keys {keys}", problems
+    return "True", reason, f"claim {claim} bound; keys {keys}", found
 
 
 def _condition(
@@ -154,6 +131,24 @@ def _condition(
     }
 
 
+def monitoring_condition(spec: AtomDeploymentSpec, unavailable: bool) -> tuple[str, str, str]:
+    if unavailable:
+        return (
+            "False",
+            "PodMonitorCRDMissing",
+            "monitoring.coreos.com/v1 PodMonitor is not served by this cluster: install the "
+            "Prometheus Operator's CRDs (pods still serve /metrics on port 8000)",
+        )
+    msg = "a PodMonitor selects the runtime and router pods"
+    np = spec.network_policy
+    if spec.disaggregated and np.enabled and not np.metrics_from:
+        msg += (
+            "; prefill and decode pods admit HTTP only from the router: set "
+            "networkPolicy.metricsFrom to let Prometheus scrape them"
+        )
+    return "True", "PodMonitorApplied", msg
+
+
 def compute_status(
     *,
     name: str,
@@ -164,6 +159,7 @@ def compute_status(
     now: datetime,
     previous_conditions: list[dict[str, Any]] | None = None,
     apply_errors: list[str] | None = None,
+    monitoring_unavailable: bool = False,
 ) -> dict[str, Any]:
     """The whole status stanza (camelCase), ready for the status subresource."""
     rev = plan.revision
@@ -193,9 +189,16 @@ def compute_status(
         total_roles += 1
         ready_roles += router_ok
 
-    cache_status, cache_reason, cache_msg, problems = cache_condition(spec, snap, plan, now)
-    problems += crash_loops(snap)
-    problems += [Problem("ApplyFailed", e) for e in apply_errors or []]
+    cache_status, cache_reason, cache_msg, found = cache_condition(spec, snap, plan, now)
+    found = problems.unique(
+        [Problem("ApplyFailed", e) for e in apply_errors or []]
+        + found
+        + problems.deployments(snap)
+        + problems.scheduling(snap)
+        + problems.containers(snap)
+        + problems.crash_loops(snap)
+        + problems.foreign_scalers(snap, plan.owned_deployments())
+    )
     all_ready = ready_roles == total_roles
 
     if all_ready:
@@ -233,8 +236,8 @@ def compute_status(
         )
         progressing = ("True", reason, msg)
     degraded = (
-        ("True", problems[0].reason, "; ".join(p.message for p in problems))
-        if problems
+        ("True", found[0].reason, problems.joined(found))
+        if found
         else ("False", "AsExpected", "no failures observed")
     )
     previous = {c["type"]: c for c in previous_conditions or [] if "type" in c}
@@ -246,7 +249,17 @@ def compute_status(
             "CompileCacheReady", cache_status, cache_reason, cache_msg, generation, now, previous
         ),
     ]
-    if problems:
+    if spec.monitoring.enabled:
+        conditions.append(
+            _condition(
+                "MonitoringReady",
+                *monitoring_condition(spec, monitoring_unavailable),
+                generation,
+                now,
+                previous,
+            )
+        )
+    if found:
         phase = "Degraded"
     elif all_ready:
         phase = "Ready"
@@ -290,18 +303,26 @@ def compute_status(
 
 
 def invalid_spec_status(
-    generation: int, message: str, now: datetime, previous_conditions: list[dict[str, Any]] | None
+    generation: int,
+    message: str,
+    now: datetime,
+    previous_conditions: list[dict[str, Any]] | None,
+    *,
+    reason: str = "InvalidSpec",
 ) -> dict[str, Any]:
-    """Status for a spec the operator cannot read (a CRD older than the operator)."""
+    """Status for a spec the operator will not act on: one it cannot read (a CRD older than
+    the operator, reason InvalidSpec) or one its settings refuse (the message says why)."""
     previous = {c["type"]: c for c in previous_conditions or [] if "type" in c}
-    msg = f"spec does not match the operator's schema (is the CRD up to date?): {message}"[:1000]
+    if reason == "InvalidSpec":
+        message = f"spec does not match the operator's schema (is the CRD up to date?): {message}"
+    msg = message[:1000]
     return {
         "observedGeneration": generation,
         "phase": "Degraded",
         "conditions": [
-            _condition("Ready", "False", "InvalidSpec", msg, generation, now, previous),
-            _condition("Progressing", "False", "InvalidSpec", msg, generation, now, previous),
-            _condition("Degraded", "True", "InvalidSpec", msg, generation, now, previous),
+            _condition("Ready", "False", reason, msg, generation, now, previous),
+            _condition("Progressing", "False", reason, msg, generation, now, previous),
+            _condition("Degraded", "True", reason, msg, generation, now, previous),
         ],
     }
 

@@ -6,10 +6,11 @@ guide; every invalid value raises ValueError naming the field and what is allowe
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from atom.compilation.levels import CompilationLevel, CUDAGraphMode, default_capture_sizes  # noqa: F401 - the guide imports them from here
 
 logger = logging.getLogger(__name__)
 
@@ -18,91 +19,6 @@ CAPTURE_SIZES_KEYWORD = "cudagraph_capture_sizes"
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ROLES = ("unified", "prefill", "decode")
-
-
-class CompilationLevel(enum.IntEnum):
-    NO_COMPILATION = 0
-    DYNAMO_AS_IS = 1
-    DYNAMO_ONCE = 2
-    PIECEWISE = 3
-
-    @classmethod
-    def parse(cls, value: Any, field_name: str = "compilation_config.level") -> CompilationLevel:
-        allowed = ", ".join(f"{m.value} ({m.name})" for m in cls)
-        if isinstance(value, str):
-            text = value.strip()
-            if text.upper() in cls.__members__:
-                return cls[text.upper()]
-            try:
-                value = int(text)
-            except ValueError:
-                raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int) or value not in {m.value for m in cls}:
-            raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}")
-        return cls(value)
-
-
-class CUDAGraphMode(enum.Enum):
-    """How CUDA graphs are captured; tuple modes give (decode mode, mixed-batch mode)."""
-
-    NONE = 0
-    TR_HYBRID = 1
-    FULL = 2
-    # Inside the class body FULL/NONE/TR_HYBRID are still the plain values.
-    FULL_DECODE_ONLY = (FULL, NONE)
-    FULL_AND_TR_HYBRID = (FULL, TR_HYBRID)
-
-    def separate_routine(self) -> bool:
-        return isinstance(self.value, tuple)
-
-    def decode_mode(self) -> CUDAGraphMode:
-        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
-
-    def mixed_mode(self) -> CUDAGraphMode:
-        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
-
-    def max_cudagraph_mode(self) -> CUDAGraphMode:
-        return CUDAGraphMode(max(self.value)) if self.separate_routine() else self
-
-    def has_full_cudagraphs(self) -> bool:
-        return self.max_cudagraph_mode() == CUDAGraphMode.FULL
-
-    def uses_tr_hybrid(self) -> bool:
-        return CUDAGraphMode.TR_HYBRID in (self.decode_mode(), self.mixed_mode())
-
-    def has_mode(self, mode: CUDAGraphMode) -> bool:
-        return mode in (self.decode_mode(), self.mixed_mode())
-
-    @classmethod
-    def parse(cls, value: Any, field_name: str = "compilation_config.cudagraph_mode") -> CUDAGraphMode:
-        """From a member, its name (any case, '-' or '_'), its int value or its tuple value."""
-        if isinstance(value, cls):
-            return value
-        allowed = ", ".join(cls.__members__)
-        if isinstance(value, str):
-            key = value.strip().upper().replace("-", "_")
-            if key in cls.__members__:
-                return cls[key]
-            if key.isdigit():
-                value = int(key)
-            else:
-                raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}")
-        if isinstance(value, list):
-            value = tuple(value)
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            return cls(value)
-        except (ValueError, TypeError):
-            raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}") from None
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def default_capture_sizes(n: int) -> list[int]:
-    """The guide's pattern for one cuda_graph_sizes value N: [1..8] + [16, 32, ..., N]."""
-    return list(range(1, 9)) + list(range(16, n + 1, 16))
 
 
 def _check_sizes(name: str, sizes: Any, allow_keyword: bool = False) -> None:
@@ -235,6 +151,9 @@ class Config:
     # Launch each step before reading the last one's tokens (LLMEngine.step); False: every
     # step ends with its tokens on the host.
     async_scheduling: bool = True
+    # Reuse the KV blocks of cached prompt prefixes (atom.engine.block_manager). Not a compile
+    # or capture input: the same compiled code and graphs serve both settings.
+    enable_prefix_caching: bool = True
     capture_sizes: list[int] | None = None  # computed in __post_init__
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     seed: int = 0

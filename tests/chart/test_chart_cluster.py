@@ -52,12 +52,13 @@ def replica_sets(run: Runner) -> dict[str, dict[str, Any]]:
 
 def deployment_ready(run: Runner) -> bool:
     dep = kubectl_json(run, "get", "deployment", DEPLOYMENT, "-n", NAMESPACE)
-    status = dep.get("status", {})
+    status, want = dep.get("status", {}), dep["spec"]["replicas"]
     return (
-        status.get("observedGeneration") == dep["metadata"]["generation"]
-        and status.get("readyReplicas") == 1
-        and status.get("updatedReplicas") == 1
-        and status.get("replicas") == 1
+        want == 2  # the chart's default: two replicas electing a leader
+        and status.get("observedGeneration") == dep["metadata"]["generation"]
+        and status.get("readyReplicas") == want
+        and status.get("updatedReplicas") == want
+        and status.get("replicas") == want
     )
 
 
@@ -126,12 +127,16 @@ def test_install_brings_the_operator_to_ready(run_cluster: Runner, crd_was_absen
     if crd_was_absent:
         # Helm's crds/ folder is applied as is, outside the release: no release annotation.
         assert "meta.helm.sh/release-name" not in crd["metadata"].get("annotations", {})
-    (pod,) = kubectl_json(
+    pods = kubectl_json(
         run_cluster, "get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/instance=" + RELEASE
     )["items"]
-    ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-    assert ready["Ready"] == "True"
-    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert len(pods) == 2  # two replicas electing a leader
+    for pod in pods:
+        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+        assert ready["Ready"] == "True"
+        assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    pdb = kubectl_json(run_cluster, "get", "pdb", DEPLOYMENT, "-n", NAMESPACE)
+    assert pdb["spec"]["minAvailable"] == 1
 
 
 def test_rbac_is_least_privilege(run_cluster: Runner) -> None:
@@ -145,9 +150,16 @@ def test_rbac_is_least_privilege(run_cluster: Runner) -> None:
         ("create", "jobs.batch"),
         ("list", "pods"),
         ("create", "events"),
+        ("create", "secrets"),
+        ("delete", "networkpolicies.networking.k8s.io"),
+        ("delete", "poddisruptionbudgets.policy"),
+        ("list", "horizontalpodautoscalers.autoscaling"),
         ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
     ]:
         assert can_i(run_cluster, verb, resource), f"operator cannot {verb} {resource}"
+    # the leader-election Lease, in the release namespace only
+    assert can_i(run_cluster, "update", "leases.coordination.k8s.io", NAMESPACE)
+    assert not can_i(run_cluster, "update", "leases.coordination.k8s.io", USER_NAMESPACE)
     # ... and nothing more.
     for verb, resource in [
         ("get", "secrets"),
@@ -158,6 +170,36 @@ def test_rbac_is_least_privilege(run_cluster: Runner) -> None:
         ("create", "customresourcedefinitions.apiextensions.k8s.io"),
     ]:
         assert not can_i(run_cluster, verb, resource), f"operator may {verb} {resource}"
+
+
+def test_host_volumes_refused_at_the_api_server(run_cluster: Runner) -> None:
+    manifest = {
+        "apiVersion": "atom.dev/v1alpha1",
+        "kind": "AtomDeployment",
+        "metadata": {"name": "hosty", "namespace": USER_NAMESPACE},
+        "spec": {"model": {"name": "m", "volume": {"hostPath": {"path": "/"}}}},
+    }
+    last = ""
+
+    def refused() -> bool:  # the policy takes effect once the API server has loaded it
+        nonlocal last
+        proc = run_cluster(
+            ["kubectl", "apply", "--dry-run=server", "-f", "-"],
+            input=json.dumps(manifest),
+            check=False,
+        )
+        last = proc.stderr
+        return proc.returncode != 0
+
+    wait_for(refused, timeout=60, what="the host-volume policy to refuse")
+    assert "spec.model.volume.hostPath" in last, last
+    manifest["spec"]["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "weights"}}
+    ok = run_cluster(
+        ["kubectl", "apply", "--dry-run=server", "-f", "-"],
+        input=json.dumps(manifest),
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_upgrade_with_changed_values_rolls_the_operator(run_cluster: Runner) -> None:
@@ -180,9 +222,9 @@ def test_upgrade_with_changed_values_rolls_the_operator(run_cluster: Runner) -> 
         for e in new_rs["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["ATOM_OPERATOR_LOG_LEVEL"] == "DEBUG"
-    assert new_rs["status"].get("readyReplicas") == 1
+    assert new_rs["status"].get("readyReplicas") == 2
     old = after[next(iter(before))]
-    assert old["spec"]["replicas"] == 0, "Recreate: the old operator pod is gone"
+    assert old["spec"]["replicas"] == 0, "the old operator pods are gone once the new ones are up"
     history = run_cluster(["helm", "history", RELEASE, "-n", NAMESPACE, "-o", "json"]).stdout
     assert [r["revision"] for r in json.loads(history)] == [1, 2]
 

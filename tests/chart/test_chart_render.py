@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,27 @@ def render(run: Runner, helm: str, *args: str, crds: bool = False) -> list[dict[
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def watch_roles(docs: list[dict[str, Any]], kind: str = "Role") -> list[dict[str, Any]]:
+    """Roles (or RoleBindings) on watched namespaces, not the leader-election one."""
+    return [
+        d for d in by_kind(docs, kind) if not d["metadata"]["name"].endswith("-leader-election")
+    ]
+
+
+def test_leader_election_rbac_in_the_release_namespace(run_offline: Runner, helm_bin: str) -> None:
+    for scope in ("cluster", "namespaced"):
+        docs = render(run_offline, helm_bin, "--set", f"scope={scope}")
+        (role,) = [r for r in by_kind(docs, "Role") if r not in watch_roles(docs)]
+        assert role["metadata"]["namespace"] == NAMESPACE
+        assert rules_of(role) == {
+            ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")
+        }
 
 
 def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -60,7 +82,19 @@ def test_operator_pod_is_locked_down(run_offline: Runner, helm_bin: str) -> None
     docs = render(run_offline, helm_bin)
     (deployment,) = by_kind(docs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
-    assert deployment["spec"]["replicas"] == 1  # Kopf standalone: one handler of each event
+    # Two replicas electing a leader on a Lease, a budget that keeps one through a drain.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels(deployment).items()
+    env = {e["name"]: e for e in operator_container(docs)["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["ATOM_OPERATOR_LEASE_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    single = render(run_offline, helm_bin, "--set", "operator.replicas=1")
+    assert not by_kind(single, "PodDisruptionBudget")
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
@@ -71,7 +105,7 @@ def test_operator_pod_is_locked_down(run_offline: Runner, helm_bin: str) -> None
     assert sc["capabilities"]["drop"] == ["ALL"]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz"
-    (port,) = container["ports"]
+    (port,) = [p for p in container["ports"] if p["name"] == "health"]
     assert (
         port["containerPort"] == 8080
         and port["name"] == container["livenessProbe"]["httpGet"]["port"]
@@ -122,14 +156,18 @@ def test_cluster_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
     docs = render(run_offline, helm_bin)
     (role,) = by_kind(docs, "ClusterRole")
     (binding,) = by_kind(docs, "ClusterRoleBinding")
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    assert not watch_roles(docs) and not watch_roles(docs, "RoleBinding")
     rules = rules_of(role)
     assert ("atom.dev", "atomdeployments/status", "patch") in rules
     assert ("apps", "deployments", "create") in rules
     assert ("", "namespaces", "watch") in rules
     assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in rules
-    # Least privilege: the operator neither writes its users' specs wholesale nor reads secrets.
-    assert not any(resource == "secrets" for _, resource, _ in rules)
+    # Least privilege: the operator neither writes its users' specs wholesale nor reads
+    # secrets: it creates the internal-token Secret once and never reads it back.
+    assert [verb for _, resource, verb in rules if resource == "secrets"] == ["create"]
+    assert ("autoscaling", "horizontalpodautoscalers", "list") in rules
+    for resource in ("networkpolicies", "poddisruptionbudgets"):
+        assert any(r == resource and v == "delete" for _, r, v in rules), resource
     assert ("atom.dev", "atomdeployments", "update") not in rules
     assert not any("*" in item for rule in rules for item in rule)
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -145,9 +183,9 @@ def test_namespaced_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
         "--set",
         "watchNamespaces={team-a,team-b}",
     )
-    roles = by_kind(docs, "Role")
+    roles = watch_roles(docs)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == [
+    assert sorted(b["metadata"]["namespace"] for b in watch_roles(docs, "RoleBinding")) == [
         "team-a",
         "team-b",
     ]
@@ -168,7 +206,7 @@ def test_namespaced_scope_defaults_to_the_release_namespace(
     run_offline: Runner, helm_bin: str
 ) -> None:
     docs = render(run_offline, helm_bin, "--set", "scope=namespaced")
-    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == [NAMESPACE]
+    assert [r["metadata"]["namespace"] for r in watch_roles(docs)] == [NAMESPACE]
     assert env_of(operator_container(docs))["ATOM_OPERATOR_NAMESPACES"] == NAMESPACE
 
 
@@ -188,6 +226,36 @@ def test_helm_test_hook(run_offline: Runner, helm_bin: str) -> None:
     (service,) = by_kind(docs, "Service")
     assert f"{service['metadata']['name']}.{NAMESPACE}.svc:8080/healthz" in str(pod["spec"])
     assert render(run_offline, helm_bin, "--set", "tests.enabled=false") != docs
+
+
+def test_no_object_repeats_a_label_key(run_offline: Runner, helm_bin: str) -> None:
+    """kubeconform -strict and kustomize refuse a mapping with a key given twice; yaml.safe_load
+    keeps the last, so read the rendered text itself."""
+    cmd = [helm_bin, "template", RELEASE, str(CHART), "-n", NAMESPACE]
+    out = run_offline([*cmd, "--kube-version", kube_version()]).stdout
+    for doc in out.split("\n---"):
+        lines = doc.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != "labels:":
+                continue
+            indent = len(line) - len(line.lstrip()) + 2
+            keys = []
+            for nxt in lines[i + 1 :]:
+                if len(nxt) - len(nxt.lstrip()) != indent or not nxt.strip():
+                    break
+                keys.append(nxt.split(":")[0].strip())
+            assert len(keys) == len(set(keys)), f"duplicate label in:\n{doc[:400]}"
+
+
+def test_host_volume_policy_on_by_default(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    (policy,) = by_kind(docs, "ValidatingAdmissionPolicy")
+    (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert env_of(operator_container(docs))["ATOM_OPERATOR_ALLOW_HOST_VOLUMES"] == "false"
+    allowed = render(run_offline, helm_bin, "--set", "admission.allowHostVolumes=true")
+    assert not by_kind(allowed, "ValidatingAdmissionPolicy")
 
 
 BAD_VALUES = {
@@ -232,3 +300,28 @@ def test_watch_namespaces_need_namespaced_scope(run_offline: Runner, helm_bin: s
     )
     assert result.returncode != 0
     assert "watchNamespaces is only used with scope: namespaced" in result.stderr
+
+
+def test_monitoring_is_opt_in(run_offline: Runner, helm_bin: str) -> None:
+    docs = render(run_offline, helm_bin)
+    assert not by_kind(docs, "PodMonitor")
+    assert not [
+        d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    ports = {p["name"]: p["containerPort"] for p in operator_container(docs)["ports"]}
+    assert ports["metrics"] == 8081
+    on = render(
+        run_offline,
+        helm_bin,
+        "--set", "monitoring.podMonitor.enabled=true",
+        "--set", "monitoring.podMonitor.labels.release=kp",
+        "--set", "monitoring.grafanaDashboard.enabled=true",
+    )  # fmt: skip
+    (mon,) = by_kind(on, "PodMonitor")
+    assert mon["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert mon["metadata"]["labels"]["release"] == "kp"
+    (dashboard,) = [
+        d for d in by_kind(on, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["atom-runtime.json"])["uid"] == "atom-runtime"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,6 +91,7 @@ class OperatorProcess:
             "ATOM_OPERATOR_NAMESPACES": namespace,
             "ATOM_OPERATOR_RECONCILE_INTERVAL": "2",
             "ATOM_OPERATOR_HEALTH_PORT": str(self.port),
+            "ATOM_OPERATOR_METRICS_PORT": str(free_port()),
             "ATOM_OPERATOR_DEFAULT_IMAGE": "atom-runtime:e2e",
             "ATOM_OPERATOR_LOG_LEVEL": "INFO",
         }
@@ -137,6 +139,24 @@ class OperatorProcess:
     def log_tail(self, lines: int = 40) -> str:
         path = self.log_dir / f"operator-{self.starts}.log"
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""
+
+
+@contextlib.contextmanager
+def running_operator(
+    kubectl: Kubectl, env: dict[str, str], log_dir: Path, namespace: str, **env_overrides: str
+) -> Iterator[OperatorProcess]:
+    """The CRD installed, the namespace there, one operator watching it (env overrides on
+    top of OperatorProcess's); its AtomDeployments deleted when done."""
+    install_crd(kubectl)
+    kubectl("create", "namespace", namespace, check=False)
+    op = OperatorProcess(env, log_dir, namespace)
+    op.env.update(env_overrides)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        kubectl("delete", "atomd", "--all", "-n", namespace, "--wait=false", check=False)
 
 
 def atomd(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -19,11 +19,10 @@ from atomd_e2e import (
     atomd,
     condition,
     dump,
-    env_with_path,
     get,
-    install_crd,
     is_ready,
     pre_bound_pv,
+    running_operator,
     wait_for,
 )
 
@@ -38,29 +37,9 @@ READY_TIMEOUT = 90
 
 
 @pytest.fixture(scope="module")
-def env(cluster) -> dict[str, str]:
-    return env_with_path(cluster.env())
-
-
-@pytest.fixture(scope="module")
-def kubectl(env) -> Kubectl:
-    return Kubectl(env)
-
-
-@pytest.fixture(scope="module")
-def kube(cluster) -> Kube:
-    return Kube.from_kubeconfig(str(cluster.kubeconfig))
-
-
-@pytest.fixture(scope="module")
 def operator(kubectl: Kubectl, env: dict[str, str], tmp_path_factory) -> Iterator[OperatorProcess]:
-    install_crd(kubectl)
-    kubectl("create", "namespace", NS, check=False)
-    op = OperatorProcess(env, tmp_path_factory.mktemp("operator"), NS)
-    op.start()
-    yield op
-    op.stop()
-    kubectl("delete", "atomd", "--all", "-n", NS, "--wait=false", check=False)
+    with running_operator(kubectl, env, tmp_path_factory.mktemp("operator"), NS) as op:
+        yield op
 
 
 def _spec(**extra: Any) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def level_engine(request):
 
 @pytest.mark.parametrize("mode", MODES, ids=[m.name for m in MODES])
 def test_mode_matches_eager(level_engine, mode: CUDAGraphMode) -> None:
-    from atom.model_engine.graph_runner import GraphRunner
+    from atom.cudagraph.runner import GraphRunner
 
     engine, baseline = level_engine
     runner = engine.runner

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.library import Library
 
-from atom.utils import region_graph as rg
-from atom.utils.custom_register import direct_register_custom_op
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.cudagraph import region_graph as rg
 from atom.utils.forward_context import AttentionMetaData, forward_context, get_forward_context
 
 pytestmark = [

@@ -122,9 +122,11 @@ def test_disaggregated_has_router_and_per_revision_services() -> None:
     for role in ("prefill", "decode"):
         objs = {o["kind"]: o for o in p.apply if o["metadata"]["name"] == f"demo-{role}-{rev}"}
         assert objs["Service"]["spec"]["clusterIP"] == "None"
-        env = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
-        kv_host = {"name": "ATOM_KV_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-        assert kv_host in env
+        container = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+        pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        assert pod_ip in container["env"]
+        args = container["args"]
+        assert args[args.index("--kv-host") + 1] == "$(POD_IP)"
     endpoint = next(
         o for o in p.apply if o["kind"] == "Service" and o["metadata"]["name"] == "demo"
     )
@@ -137,3 +139,161 @@ def test_long_names_stay_valid() -> None:
     owner = Owner(name="x" * 60, namespace="ns", uid="u")
     for obj in builders.plan(owner, spec("disaggregated"), IMAGE, Snapshot()).apply:
         assert len(obj["metadata"]["name"]) <= 63
+
+
+def _pods(name: str, **changes: Any) -> dict[str, dict[str, Any]]:
+    """Pod specs by role (router included) of a plan over a fresh cluster."""
+    objs = builders.plan(OWNER, spec(name, **changes), IMAGE, Snapshot()).apply
+    return {
+        o["spec"]["template"]["metadata"]["labels"][naming.LABEL_ROLE]: o["spec"]["template"][
+            "spec"
+        ]
+        for o in objs
+        if o["kind"] == "Deployment"
+    }
+
+
+def _env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in pod["containers"][0]["env"]}
+
+
+def test_token_reaches_router_and_roles_not_unified() -> None:
+    p = builders.plan(OWNER, spec("disaggregated"), IMAGE, Snapshot())
+    assert p.token_secret == "demo-internal-token"
+    ref = {"secretKeyRef": {"name": "demo-internal-token", "key": "token"}}
+    for role, pod in _pods("disaggregated").items():
+        assert _env(pod)["ATOM_INTERNAL_TOKEN"]["valueFrom"] == ref, role
+    assert "ATOM_INTERNAL_TOKEN" not in _env(_pods("unified")["unified"])
+    assert builders.plan(OWNER, spec("unified"), IMAGE, Snapshot()).token_secret is None
+
+
+def test_token_secret_is_random_once_and_owned() -> None:
+    from atom_operator.builders.secret import build_internal_token_secret
+
+    obj = build_internal_token_secret(OWNER, "demo-internal-token", "ab" * 32)
+    assert obj["stringData"] == {"token": "ab" * 32}
+    assert obj["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+
+
+def test_api_key_secret_reaches_runtime_and_router() -> None:
+    ref = {"name": "keys", "key": "openai"}
+    for name in ("unified", "disaggregated"):
+        for role, pod in _pods(name, apiKeySecretRef=ref).items():
+            assert _env(pod)["ATOM_API_KEY"]["valueFrom"] == {"secretKeyRef": ref}, role
+    assert "ATOM_API_KEY" not in _env(_pods("unified")["unified"])
+
+
+def test_every_pod_is_guaranteed_memory_and_has_no_token_mounted() -> None:
+    for name in sorted(SPECS):
+        for role, pod in _pods(name).items():
+            res = pod["containers"][0]["resources"]
+            assert res["requests"]["cpu"] and res["requests"]["memory"], (name, role)
+            assert res["limits"]["memory"] == res["requests"]["memory"], (name, role)
+            assert pod["automountServiceAccountToken"] is False
+    # a role's own memory request becomes its limit; a GPU-only override keeps the defaults
+    custom = _pods("custom-sizes")["unified"]["containers"][0]["resources"]
+    assert custom["limits"]["nvidia.com/gpu"] == 2 and custom["requests"]["memory"] == "16Gi"
+    own = _pods("unified", resources={"requests": {"memory": "40Gi"}})["unified"]
+    assert own["containers"][0]["resources"]["limits"]["memory"] == "40Gi"
+
+
+def test_probes_lifecycle_and_grace_match_the_runtime_drain() -> None:
+    pod = _pods("unified")["unified"]
+    c = pod["containers"][0]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 5
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 10
+    dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    sized = _pods("unified", shmSize="8Gi")["unified"]
+    assert (
+        next(v for v in sized["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "8Gi"
+    )
+
+
+def test_router_is_read_only_with_scratch_and_two_replicas() -> None:
+    p = builders.plan(
+        OWNER,
+        spec("disaggregated", disaggregation={"prefill": {}, "decode": {}}),
+        IMAGE,
+        Snapshot(),
+    )
+    router = next(o for o in p.apply if o["metadata"]["name"] == "demo-router")
+    assert router["spec"]["replicas"] == 2
+    pod = router["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["livenessProbe"]["tcpSocket"]["port"] == "http"
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert c["resources"]["limits"]["memory"]
+
+
+def test_priority_runtime_class_and_spread() -> None:
+    pods = _pods("disaggregated", priorityClassName="serving", runtimeClassName="nvidia")
+    for role, pod in pods.items():
+        assert pod["priorityClassName"] == "serving"
+        assert ("runtimeClassName" in pod) == (role != "router")
+        (tsc,) = pod["topologySpreadConstraints"]
+        assert tsc["whenUnsatisfiable"] == "ScheduleAnyway"
+        assert tsc["topologyKey"] == "kubernetes.io/hostname"
+        assert tsc["labelSelector"]["matchLabels"][naming.LABEL_ROLE] == role
+        assert naming.LABEL_REVISION not in tsc["labelSelector"]["matchLabels"]
+    assert (
+        _pods("unified", topologySpreadConstraints=[])["unified"]["topologySpreadConstraints"] == []
+    )
+
+
+def _kind(name: str, kind: str, **changes: Any) -> dict[str, dict[str, Any]]:
+    objs = builders.plan(OWNER, spec(name, **changes), IMAGE, Snapshot()).apply
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def test_disruption_budgets_only_for_roles_with_two_or_more_pods() -> None:
+    pdbs = _kind("disaggregated", "PodDisruptionBudget")
+    # prefill 1 (none), decode 2, router 1 in this spec
+    assert set(pdbs) == {"demo-decode"}
+    pdb = pdbs["demo-decode"]["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    # no revision label: old and new revisions count together during a rollout
+    assert pdb["selector"]["matchLabels"] == naming.selector_labels("demo", "decode")
+    assert set(_kind("unified", "PodDisruptionBudget")) == {"demo-unified"}
+    assert _kind("unified", "PodDisruptionBudget", replicas=1) == {}
+
+
+def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    want = policy["spec"]["podSelector"]["matchLabels"]
+    return all(labels.get(k) == v for k, v in want.items())
+
+
+def test_network_policies_isolate_kv_and_role_ports() -> None:
+    pols = _kind("disaggregated", "NetworkPolicy")
+    assert set(pols) == {"demo-endpoint", "demo-prefill", "demo-decode"}
+    rev = "r"
+    pod_labels = {r: naming.labels("demo", "runtime", r, rev) for r in ("prefill", "decode")}
+    pod_labels["router"] = naming.labels("demo", "router", "router", rev)
+    # each pod is selected by exactly one policy
+    for role, labels in pod_labels.items():
+        assert [n for n, p in pols.items() if _selects(p, labels)] == [
+            {"router": "demo-endpoint"}.get(role, f"demo-{role}")
+        ]
+    prefill = {r["ports"][0]["port"]: r["from"] for r in pols["demo-prefill"]["spec"]["ingress"]}
+    assert prefill[8001] == [
+        {"podSelector": {"matchLabels": naming.selector_labels("demo", "decode")}}
+    ]
+    assert prefill[8000] == [
+        {"podSelector": {"matchLabels": naming.selector_labels("demo", "router")}}
+    ]
+    decode = pols["demo-decode"]["spec"]["ingress"]
+    assert [r["ports"][0]["port"] for r in decode] == [8000]
+    assert pols["demo-endpoint"]["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {}}]
+    # the endpoint's clients and a scraper come from the spec
+    only = [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]
+    prom = [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    pols = _kind(
+        "disaggregated", "NetworkPolicy", networkPolicy={"endpointFrom": only, "metricsFrom": prom}
+    )
+    assert pols["demo-endpoint"]["spec"]["ingress"][0]["from"] == only
+    assert prom[0] in pols["demo-decode"]["spec"]["ingress"][0]["from"]
+    assert _kind("unified", "NetworkPolicy", networkPolicy={"enabled": False}) == {}
+    (uni,) = _kind("unified", "NetworkPolicy").values()
+    assert uni["spec"]["podSelector"]["matchLabels"][naming.LABEL_ROLE] == "unified"

@@ -37,7 +37,9 @@ def test_names_subresources_and_columns() -> None:
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Level", "Mode", "Ready", "Phase", "Age"]
+    assert columns == ["Level", "Mode", "Ready", "Phase", "Reason", "Age"]
+    reason = version["additionalPrinterColumns"][4]
+    assert reason["jsonPath"] == '.status.conditions[?(@.type=="Degraded")].reason'
 
 
 def test_every_schema_node_is_structural_and_described() -> None:
@@ -73,7 +75,10 @@ def test_enums_defaults_and_list_types() -> None:
     assert spec["properties"]["replicas"]["minimum"] == 0
     dis = spec["properties"]["disaggregation"]
     assert sorted(dis["required"]) == ["decode", "prefill"]
-    assert dis["properties"]["decode"]["properties"]["replicas"]["minimum"] == 0
+    # a P/D role or router at zero cannot serve: refused, not reported Ready
+    for role in ("prefill", "decode", "router"):
+        assert dis["properties"][role]["properties"]["replicas"]["minimum"] == 1, role
+    assert dis["properties"]["router"]["properties"]["replicas"]["default"] == 2
     cache = spec["properties"]["compileCache"]["properties"]
     assert cache["retainOnDelete"]["default"] is True
 
@@ -81,8 +86,17 @@ def test_enums_defaults_and_list_types() -> None:
 def test_cel_rules_cover_cross_field_constraints() -> None:
     rules = {r["rule"]: r for r in _schema()["properties"]["spec"]["x-kubernetes-validations"]}
     assert "!(has(self.replicas) && has(self.disaggregation))" in rules
-    assert (
-        sum("self.engine.maxNumSeqs" in r for r in rules) == 3
-    )  # shared, prefill and decode sizes
+    # both size lists of the shared, prefill and decode compilation blocks
+    assert sum("self.engine.maxNumSeqs" in r for r in rules) == 6
+    for block in ("compilation", "disaggregation.prefill.compilation"):
+        for field in ("cudagraphCaptureSizes", "cudaGraphSizes"):
+            assert any(r["fieldPath"] == f".{block}.{field}" for r in rules.values()), field
     for rule in rules.values():
         assert rule["message"] and rule["fieldPath"].startswith(".")
+
+
+def test_root_rules_limit_the_name() -> None:
+    rules = _schema()["x-kubernetes-validations"]
+    text = " ".join(r["rule"] for r in rules)
+    assert "size(self.metadata.name) <= 63" in text and "matches(" in text
+    assert all("DNS-1035" in r["message"] for r in rules)

@@ -21,7 +21,7 @@ def test_replicas_change_nothing() -> None:
         "disaggregated",
         disaggregation={
             "prefill": {"replicas": 5},
-            "decode": {"replicas": 0},
+            "decode": {"replicas": 4},
             "router": {"replicas": 3},
         },
     )

@@ -215,29 +215,42 @@ def test_digest_diffbase_is_small_for_huge_specs() -> None:
     assert store.build(body=kopf.Body(changed)) != essence
 
 
-def test_unreadable_spec_reports_invalid_spec_and_touches_nothing() -> None:
+def _reconcile_without_api(spec_body: dict, generation: int):
+    """reconcile() with a client that fails any call: for specs it must not act on."""
     import logging
 
     from atom_operator.reconcile import reconcile
 
-    class NoApi:  # reconcile must not reach the API for a spec it cannot read
+    class NoApi:
         def __getattr__(self, name: str):
-            raise AssertionError(f"API call {name} on an invalid spec")
+            raise AssertionError(f"API call {name} on a spec that must touch nothing")
 
-    result = reconcile(
+    return reconcile(
         NoApi(),  # type: ignore[arg-type]
         name="demo",
         namespace="serving",
         uid="u",
-        generation=4,
-        spec_body={"model": {"name": "x"}, "compilation": {"level": 9}},
+        generation=generation,
+        spec_body=spec_body,
         previous_status=None,
         default_image="img",
         logger=logging.getLogger("t"),
     )
+
+
+def test_unreadable_spec_reports_invalid_spec_and_touches_nothing() -> None:
+    result = _reconcile_without_api({"model": {"name": "x"}, "compilation": {"level": 9}}, 4)
     st = result.status
     assert st["phase"] == "Degraded" and st["observedGeneration"] == 4
     assert (
         cond(st, "Degraded")["reason"] == "InvalidSpec"
         and "level" in cond(st, "Degraded")["message"]
     )
+
+
+def test_host_volume_refused_by_the_operator_unless_allowed() -> None:
+    body = {"model": {"name": "x", "volume": {"hostPath": {"path": "/"}}}}
+    result = _reconcile_without_api(body, 2)
+    d = cond(result.status, "Degraded")
+    assert d["reason"] == "HostVolumeForbidden" and "spec.model.volume.hostPath" in d["message"]
+    assert result.plan.apply == [] and not result.errors

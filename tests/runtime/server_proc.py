@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -35,12 +35,14 @@ def free_port() -> int:
 class Proc:
     """A child process serving HTTP on 127.0.0.1:port, with its output kept for failure messages."""
 
-    def __init__(self, args: Sequence[str], port: int, log_name: str) -> None:
+    def __init__(
+        self, args: Sequence[str], port: int, log_name: str, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{log_name}-{port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, *args], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
@@ -81,7 +83,7 @@ class Proc:
         self._log.close()
 
 
-def start_server(*extra: str, port: int | None = None) -> Proc:
+def start_server(*extra: str, port: int | None = None, env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
     return Proc(
         [
@@ -97,11 +99,26 @@ def start_server(*extra: str, port: int | None = None) -> Proc:
         ],
         port,
         "atom-server",
+        env,
     )
 
 
+def healthy_server(*extra: str, env: dict[str, str] | None = None) -> Iterator[Proc]:
+    """For a module fixture (`yield from healthy_server(...)`): started, healthy, then stopped."""
+    proc = start_server(*extra, env=env)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
 def start_router(
-    prefill: Sequence[str], decode: Sequence[str], *extra: str, port: int | None = None
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *extra: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Proc:
     port = port or free_port()
     return Proc(
@@ -120,4 +137,5 @@ def start_router(
         ],
         port,
         "atom-router",
+        env,
     )

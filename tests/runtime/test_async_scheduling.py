@@ -11,6 +11,7 @@ import torch
 
 from atom.config import CompilationConfig, Config
 from atom.engine import LLMEngine, SamplingParams
+from atom.engine.batch import StepBatch
 from atom.engine.sequence import PENDING_TOKEN, Sequence
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -182,13 +183,15 @@ def test_a_pending_row_without_tokens_is_refused() -> None:
     seq.block_table = [0]
     seq.num_computed_tokens, seq.num_scheduled_tokens = 2, 1
     with pytest.raises(ValueError, match="wait for sampled tokens"):
-        engine.runner.prepare_inputs([seq], is_prefill=False)
-    ids, *_ = engine.runner.prepare_inputs([seq], False, pending_tokens=torch.tensor([41, 42]))
+        engine.runner.prepare_inputs(StepBatch.of([seq], False))
+    ids, *_ = engine.runner.prepare_inputs(StepBatch.of([seq], False),
+                                          pending_tokens=torch.tensor([41, 42]))
     assert ids.tolist() == [42]
     # a placeholder without a named source is refused, not taken for sampled row 0
     seq.pending_src = None
     with pytest.raises(ValueError, match="still on the device"):
-        engine.runner.prepare_inputs([seq], False, pending_tokens=torch.tensor([41, 42]))
+        engine.runner.prepare_inputs(StepBatch.of([seq], False),
+                                          pending_tokens=torch.tensor([41, 42]))
 
 
 @pytest.mark.gpu

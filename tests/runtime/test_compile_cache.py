@@ -21,7 +21,7 @@ from test_compile_support import (
     speed_up_cpu_inductor,
 )
 
-from atom.utils.backends import CACHE_INDEX_FILE
+from atom.compilation.backends import CACHE_INDEX_FILE
 
 speed_up_cpu_inductor()
 share_inductor_cache_for_tests()
@@ -117,7 +117,7 @@ def test_corrupt_dynamo_trace_is_traced_again(cold_cache: tuple[str, dict[str, A
 
 
 def test_dynamo_trace_is_dropped_when_a_traced_file_changes(tmp_path: Path) -> None:
-    from atom.utils import warm_start
+    from atom.compilation import warm_start
 
     source = tmp_path / "layer.py"
     source.write_text("def f(x):\n    return x * 2\n")
@@ -226,7 +226,7 @@ def test_cache_dir_is_honoured(tmp_path: Path) -> None:
 _MODEL_SRC = """
 import torch
 from torch import nn
-from atom.utils.decorators import support_torch_compile
+from atom.compilation.decorators import support_torch_compile
 from {helper} import scale
 
 

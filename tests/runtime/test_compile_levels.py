@@ -19,10 +19,10 @@ from test_compile_support import (
 )
 from torch import nn
 
+from atom.compilation.backends import BufferMutationError, split_graph
+from atom.compilation.decorators import compile_for_level, support_torch_compile
 from atom.config import CompilationConfig, Config
-from atom.utils.backends import BufferMutationError, split_graph
 from atom.utils.counters import counters
-from atom.utils.decorators import compile_for_level, support_torch_compile
 
 speed_up_cpu_inductor()
 share_inductor_cache_for_tests()

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from atom.utils.compile_prefetch import CompilePrefetch
+from atom.compilation.prefetch import CompilePrefetch
 
 # A fresh interpreter, so that the imports are really done by the thread.
 PROBE = """
 import sys, threading
-from atom.utils.compile_prefetch import CompilePrefetch
+from atom.compilation.prefetch import CompilePrefetch
 assert "torch._inductor.compile_fx" not in sys.modules
 p = CompilePrefetch("cpu", enabled={enabled})
 threads = [t.name for t in threading.enumerate()]

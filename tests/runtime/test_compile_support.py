@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.compilation.decorators import support_torch_compile
 from atom.config import CompilationConfig, Config
-from atom.utils.custom_register import direct_register_custom_op
-from atom.utils.decorators import support_torch_compile
 
 SPLIT_OP = "aiter.toy_affine"
 split_calls = {"n": 0}

@@ -32,6 +32,25 @@ def test_messages_round_trip_typed() -> None:
     assert m.output_decoder().decode(enc.encode(status)) == status
 
 
+def test_hold_and_prefix_fields_round_trip() -> None:
+    """harden's secrets and prefix caching's cached tokens cross the seam."""
+    enc = m.encoder()
+    handle = KVHandle(
+        "h", "10.0.0.1", 8001, "id", "model", 2, [1, 2], 7, None, 30.0, secret="s", cached_tokens=16
+    )
+    add = m.AddRequest(
+        "r", 0, [1, 2], m.Sampling(), first_token=7, kv_pull=handle, cached_tokens=16
+    )
+    back = m.input_decoder().decode(enc.encode(add))
+    assert back.cached_tokens == 16 and back.kv_pull.secret == "s"
+    for msg in (m.DropHold("r"), m.ReleaseHold(1, 3, "h", "s")):
+        assert m.input_decoder().decode(enc.encode(msg)) == msg
+    out = m.ReqOut("r", [5], None, "stop", 3, 1, num_cached_tokens=2, kv_secret="s")
+    got = m.output_decoder().decode(enc.encode(m.StepOutputs([out], 1))).outputs[0]
+    assert (got.num_cached_tokens, got.kv_secret) == (2, "s")
+    assert m.output_decoder().decode(enc.encode(m.HoldReleased(3, True))) == m.HoldReleased(3, True)
+
+
 def test_stream_coalesces_steps_and_fails_after_its_tokens() -> None:
     async def main() -> None:
         s = RequestStream("r")

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from atom.kernels import tuning  # no triton import: the workers set the interpreter up first
+
 CASES = {
     # name: (context length (0: a padding row), splits, bias, residual, rotary)
     "split3-rope": (250, 3, False, True, True),
@@ -90,13 +92,13 @@ def test_fused_kernel_compiles_for_hopper_without_a_gpu() -> None:
               "BLOCK_D": 64, "BLOCK_SIZE": 16, "TILE_N": 64, "Q_LEN": 1, "NUM_SPLITS": 24,
               "COMBINE_CHUNK": 8, "PRECISION": None, "ROPE": True, "STORE": True,
               "HAS_BIAS": False, "HAS_RES": True,
-              "BLOCK_N": fused.STRIP_BYTES // (2048 * 2), "BLOCK_K": 2048, "LINE": fused._LINE,
+              "BLOCK_N": tuning.FUSED_O_PROJ_STRIP_BYTES // (2048 * 2), "BLOCK_K": 2048, "LINE": fused._LINE,
               "PRELOAD": True, "PDL": True}
     sig |= {n: "constexpr" for n in consts}
     compiled = compile_for_hopper(fused._decode_o_proj_kernel, sig, consts,
-                                  num_warps=fused.NUM_WARPS)
+                                  num_warps=tuning.FUSED_O_PROJ_WARPS)
     regs, spilled = hopper_registers(compiled)
-    assert spilled == 0 and regs * 32 * fused.NUM_WARPS <= 65536, (regs, spilled)
+    assert spilled == 0 and regs * 32 * tuning.FUSED_O_PROJ_WARPS <= 65536, (regs, spilled)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,13 @@ from server_proc import Proc, start_router, start_server
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.layout import KVLayout
 from atom.disagg.server import KVServer, KVSource
+from atom.disagg.trust import TOKEN_ENV, TOKEN_HEADER
 
 MODEL = "tiny-llama"
 HOLD_S = 3.0  # prefill-1 frees unpulled blocks after this
+TOKEN = "test-internal-token"
+P_D = {TOKEN_ENV: TOKEN}  # router, prefill and decode share it; the unified instance has none
+INTERNAL = {TOKEN_HEADER: TOKEN}  # what the router sends: these tests stand in for it
 
 
 @dataclass
@@ -48,9 +52,9 @@ def cluster() -> Iterator[Cluster]:
     kv = ("--kv-port", "0")
     procs = [
         start_server(),
-        start_server("--role", "prefill", *kv, "--kv-hold-seconds", str(HOLD_S)),
-        start_server("--role", "prefill", *kv),
-        start_server("--role", "decode"),
+        start_server("--role", "prefill", *kv, "--kv-hold-seconds", str(HOLD_S), env=P_D),
+        start_server("--role", "prefill", *kv, env=P_D),
+        start_server("--role", "decode", env=P_D),
     ]
     router = None
     try:
@@ -63,6 +67,7 @@ def cluster() -> Iterator[Cluster]:
             "0.5",
             "--health-timeout",
             "1",
+            env=P_D,
         )
         router.wait_healthy()
         yield Cluster(*procs, router)
@@ -173,7 +178,7 @@ def test_decode_refuses_blocks_of_another_model(cluster: Cluster) -> None:
         cache = torch.zeros(2, 2, 2, 16, 2, 16)
         srv = KVServer(lambda: KVSource(other, holds, cache))
         port = await srv.start("127.0.0.1", 0)
-        async with httpx.AsyncClient(timeout=30) as c:
+        async with httpx.AsyncClient(timeout=30, headers=INTERNAL) as c:
             url = cluster.decode.url + "/v1/completions"
             r = await c.post(url, json={**body, "kv_transfer": handle(port, decode_layout)})
             err = r.json()["error"]
@@ -194,7 +199,7 @@ def test_blocks_not_pulled_are_freed_after_the_timeout(cluster: Cluster) -> None
     p = cluster.prefill1
     expired = kv_status(p)["holds_expired"]
     body = {"model": MODEL, "prompt": "x" * 40, "max_tokens": 1, "kv_transfer": {"mode": "prefill"}}
-    r = httpx.post(p.url + "/v1/completions", json=body)
+    r = httpx.post(p.url + "/v1/completions", json=body, headers=INTERNAL)
     assert r.status_code == 200
     handle = r.json()["kv_transfer"]
     assert handle["num_blocks"] == 3 and handle["expires_in"] == HOLD_S  # BOS + 40 bytes
@@ -206,7 +211,7 @@ def test_blocks_not_pulled_are_freed_after_the_timeout(cluster: Cluster) -> None
     # a decode instance that comes too late gets a clear answer, and nothing is allocated
     late = {**handle, "mode": "decode", "kv_host": "127.0.0.1"}
     body = {"model": MODEL, "prompt": "x" * 40, "max_tokens": 4, "kv_transfer": late}
-    r = httpx.post(cluster.decode.url + "/v1/completions", json=body)
+    r = httpx.post(cluster.decode.url + "/v1/completions", json=body, headers=INTERNAL)
     assert r.status_code == 503 and r.json()["error"]["code"] == "kv_unknown_handle"
     assert "expired" in r.json()["error"]["message"]
     assert kv_status(cluster.decode)["kv_blocks_used"] == 0

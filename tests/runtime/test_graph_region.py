@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_recorder import CpuOpRecorder
 from torch import nn
 from torch.library import Library
 
-from atom.utils import region_graph as rg
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.cudagraph import region_graph as rg
+from atom.cudagraph.pool import GraphPool
 from atom.utils.counters import counters
-from atom.utils.custom_register import direct_register_custom_op
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,
@@ -205,7 +207,7 @@ def test_op_recording_replays_with_changed_inputs_and_live_metadata() -> None:
     slots = torch.arange(4, dtype=torch.int64)
     static_out = torch.zeros(8, 3)
     with forward_context(attn_metadata=AttentionMetaData(slot_mapping=slots)):
-        rec = rg.record(model, (x,), breakable=True, recorder=rg.CpuOpRecorder(),
+        rec = rg.record(model, (x,), breakable=True, recorder=CpuOpRecorder(),
                         static_output=static_out)
     assert len(rec.segments) == 4 and len(rec.regions) == 3
     assert rec.output.data_ptr() == static_out.data_ptr()  # held in the static buffer
@@ -228,7 +230,7 @@ def test_two_recordings_interleave_correctly() -> None:
         slots = torch.zeros(n, dtype=torch.int64)
         with forward_context(attn_metadata=AttentionMetaData(slot_mapping=slots)):
             recs[n] = rg.record(model, (torch.zeros(n, 3),), breakable=True,
-                                recorder=rg.CpuOpRecorder())
+                                recorder=CpuOpRecorder())
     for step in range(4):
         n = (4, 2)[step % 2]
         x = torch.randn(n, 3)
@@ -267,7 +269,7 @@ def test_token_graph_unit_records_replays_and_passes_through() -> None:
     unit = Unit()
     assert rg.is_token_graph_unit(unit) and not rg.is_token_graph_unit(nn.Linear(1, 1))
     tg = rg.token_graph_of(unit)
-    tg.recorder_factory = rg.CpuOpRecorder
+    tg.recorder_factory = CpuOpRecorder
     recorded = counters.get("graphs_recorded")
     for n in (4, 2):
         with forward_context(**_ctx(n, False, "record")):
@@ -304,7 +306,7 @@ def test_per_phase_unit_records_each_phase() -> None:
     unit = PhaseUnit()
     tg = rg.token_graph_of(unit)
     assert tg.per_phase
-    tg.recorder_factory = rg.CpuOpRecorder
+    tg.recorder_factory = CpuOpRecorder
     for prefill in (False, True):
         with forward_context(**_ctx(4, prefill, "record")):
             unit(torch.zeros(4, 3))
@@ -325,7 +327,7 @@ def test_request_bucket() -> None:
 
 def test_req_graph_copies_live_metadata_into_the_recorded_tensors() -> None:
     model = ToyStack(layers=2)
-    reqs = rg.ReqGraph(recorder_factory=rg.CpuOpRecorder)
+    reqs = rg.ReqGraph(recorder_factory=CpuOpRecorder)
     static_slots = {n: torch.zeros(n, dtype=torch.int64) for n in (2, 4)}
     static_x = {n: torch.zeros(n, 3) for n in (2, 4)}
     for n in (4, 2):
@@ -365,27 +367,25 @@ def test_graph_pool_is_renewed_once_all_its_graphs_are_gone(monkeypatch: pytest.
 
     ids = itertools.count(1)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(ids)))
-    monkeypatch.setattr(rg, "_pool", None)
-    monkeypatch.setattr(rg, "_pool_live", 0)
-    monkeypatch.setattr(rg, "_pool_used", False)
+    pool = GraphPool()  # the process's GRAPH_POOL stays untouched
 
     class Graph:  # stands in for torch.cuda.CUDAGraph (weak-referenceable)
         pass
 
-    p1 = rg.graph_pool()
-    assert rg.graph_pool() == p1  # unused: kept
+    p1 = pool.get()
+    assert pool.get() == p1  # unused: kept
     g1, g2 = Graph(), Graph()
-    rg._track_graph(g1, p1)
-    rg._track_graph(g2, p1)
+    pool.track(g1, p1)
+    pool.track(g2, p1)
     del g1
     gc.collect()
-    assert rg.graph_pool() == p1  # g2 still holds it
+    assert pool.get() == p1  # g2 still holds it
     del g2
     gc.collect()
-    p2 = rg.graph_pool()
+    p2 = pool.get()
     assert p2 != p1
-    rg._track_graph(Graph(), p1)  # a graph of the old pool does not count for the new one
-    assert rg.graph_pool() == p2
+    pool.track(Graph(), p1)  # a graph of the old pool does not count for the new one
+    assert pool.get() == p2
 
 
 # ----------------------------------------------------------------- regions the bucket fixes
@@ -426,7 +426,7 @@ class InlineUnit(Unit):
 def test_region_inlined_for_decode_serves_decode_only_and_takes_live_metadata() -> None:
     unit = InlineUnit()
     tg = rg.token_graph_of(unit)
-    tg.recorder_factory = rg.CpuOpRecorder
+    tg.recorder_factory = CpuOpRecorder
     recorded = counters.get("graphs_recorded")
     static = {p: torch.arange(4) for p in ("decode", "prefill")}
     for phase in ("decode", "prefill"):

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from atom.config import CompilationConfig, Config, CUDAGraphMode
-from atom.model_engine.graph_runner import (
+from atom.cudagraph.runner import (
     EAGER,
     REQ_GRAPH,
     TOKEN_GRAPH,
@@ -46,7 +46,7 @@ def test_mode_resolution_with_cuda(mode: CUDAGraphMode, expected: CUDAGraphMode)
 def test_every_mode_is_none_without_cuda_with_one_warning(
     mode: CUDAGraphMode, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="atom.model_engine.graph_runner"):
+    with caplog.at_level(logging.WARNING, logger="atom.cudagraph.runner"):
         runner = GraphRunner(_config(mode, device="cpu"), cuda_available=False)
     assert runner.mode == M.NONE and not runner.active
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -182,8 +182,9 @@ def test_frozen_gc_restores_state() -> None:
 
 
 def _engine(mode: CUDAGraphMode, sizes: list[int]):
+    from cpu_recorder import CpuOpRecorder
+
     from atom.engine.llm_engine import LLMEngine
-    from atom.utils.region_graph import CpuOpRecorder
 
     cfg = Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
                  max_num_seqs=8, num_kv_blocks=64, max_model_len=256, seed=3,
@@ -265,9 +266,9 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
     """Decode steps verifying a draft token (2 query rows per request) have their own buckets:
     request buckets (bs, 1) under FULL, token buckets of bs * 2 rows under TR_HYBRID."""
     import torch
+    from cpu_recorder import CpuOpRecorder
 
     from atom.engine.llm_engine import LLMEngine
-    from atom.utils.region_graph import CpuOpRecorder
 
     cfg = Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
                  max_num_seqs=8, num_kv_blocks=16, max_model_len=128, seed=5,

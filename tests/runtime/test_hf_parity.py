@@ -16,9 +16,10 @@ transformers = pytest.importorskip("transformers")
 
 from atom.config import CompilationConfig, Config  # noqa: E402
 from atom.engine import LLMEngine, SamplingParams  # noqa: E402
+from atom.engine.batch import StepBatch  # noqa: E402
 from atom.engine.sequence import Sequence  # noqa: E402
 
-HAS_COMPILE = importlib.util.find_spec("atom.utils.backends") is not None
+HAS_COMPILE = importlib.util.find_spec("atom.compilation.backends") is not None
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -92,7 +93,7 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     engine.block_manager.grow(seq, len(prompt))
     seq.num_scheduled_tokens = len(prompt)
     runner = engine.runner
-    ids, _, meta, ctx = runner.prepare_inputs([seq], is_prefill=True)
+    ids, _, meta, ctx = runner.prepare_inputs(StepBatch.of([seq], True))
     try:
         with runner.step_context(meta, ctx), torch.inference_mode():
             logits, _ = runner.run_model(ids)
@@ -162,7 +163,7 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_COMPILE, reason="atom.utils.backends (piecewise compilation) not built yet")
+@pytest.mark.skipif(not HAS_COMPILE, reason="atom.compilation.backends (piecewise compilation) not built yet")
 def test_level3_matches_transformers(qwen3_checkpoint, tmp_path) -> None:
     """Piecewise Inductor compilation on the CPU (Qwen3 only: the richest shape, and compile
     time is the cost)."""

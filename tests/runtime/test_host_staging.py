@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.model_engine import host_staging
-from atom.model_engine.host_staging import HostStaging, fill_placeholders
+from atom.engine import host_staging
+from atom.engine.host_staging import HostStaging, fill_placeholders
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs CUDA (pinned mirrors, staging kernel)")

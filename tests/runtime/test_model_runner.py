@@ -7,6 +7,7 @@ import torch
 
 from atom.config import Config
 from atom.engine import LLMEngine, SamplingParams
+from atom.engine.batch import StepBatch
 from atom.engine.sequence import Sequence
 from atom.utils.forward_context import get_forward_context
 
@@ -43,7 +44,8 @@ def _forward(engine: LLMEngine, prepared) -> torch.Tensor:
 
 def test_prefill_padding_rows(engine: LLMEngine) -> None:
     seqs = _seqs(engine, [[1, 2, 3], [4, 5]], decode=False)
-    ids, pos, meta, ctx = engine.runner.prepare_inputs(seqs, True, pad_to_rows=8, pad_to_seqs=4)
+    ids, pos, meta, ctx = engine.runner.prepare_inputs(StepBatch.of(seqs, True), pad_to_rows=8,
+                                                       pad_to_seqs=4)
     assert ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
     assert pos.tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
     assert meta.slot_mapping[5:].tolist() == [-1, -1, -1]
@@ -59,14 +61,14 @@ def test_prefill_padding_rows(engine: LLMEngine) -> None:
 def test_padded_decode_matches_unpadded_and_stays_in_place(engine: LLMEngine) -> None:
     prompts = [[1, 9, 8, 7], [1, 3, 3, 3, 3, 3, 3]]
     seqs = _seqs(engine, prompts, decode=False)
-    _forward(engine, engine.runner.prepare_inputs(seqs, True))  # fill the cache
+    _forward(engine, engine.runner.prepare_inputs(StepBatch.of(seqs, True)))  # fill the cache
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
         s.num_scheduled_tokens = 1
     before = engine.runner.kv_cache.clone()
-    plain = _forward(engine, engine.runner.prepare_inputs(seqs, False))
+    plain = _forward(engine, engine.runner.prepare_inputs(StepBatch.of(seqs, False)))
     ptrs = {k: v.data_ptr() for k, v in engine.runner.forward_vars.items()}
-    ids, pos, meta, ctx = engine.runner.prepare_inputs(seqs, False, pad_to_seqs=5)
+    ids, pos, meta, ctx = engine.runner.prepare_inputs(StepBatch.of(seqs, False), pad_to_seqs=5)
     assert meta.context_lens.tolist() == [4, 7, 0, 0, 0]
     assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4, 5]
     assert meta.slot_mapping.tolist()[2:] == [-1, -1, -1] and ids.shape[0] == 5
@@ -119,12 +121,12 @@ def test_graph_runner_hook(engine: LLMEngine) -> None:
         runner.graph_runner = _FakeGraphRunner(hidden)
         assert runner.capture_cudagraph() == (1.5, [1, 2, 4])
         seqs = _seqs(engine, [[1, 2], [3, 4]], decode=True)
-        logits, sampled = runner.execute_model(seqs, is_prefill=False)
+        logits, sampled = runner.execute_model(StepBatch.of(seqs, False))
         assert runner.graph_runner.calls == 1 and len(sampled) == 2
         # replayed hidden states feed the logits
         torch.testing.assert_close(logits, runner.model.compute_logits(hidden[:2]))
         runner.graph_runner = _FakeGraphRunner(None)  # declines: eager
-        logits2, _ = runner.execute_model(seqs, is_prefill=False)
+        logits2, _ = runner.execute_model(StepBatch.of(seqs, False))
         assert not torch.allclose(logits2, logits)
         _free(engine, seqs)
     finally:
@@ -140,7 +142,7 @@ def test_logits_rows_count_for_leading_rows_else_indices(engine: LLMEngine) -> N
     idx = runner.logits_rows([2, 4])
     assert isinstance(idx, torch.Tensor) and idx.tolist() == [2, 4]
     seqs = _seqs(engine, [[1, 9, 8, 7], [1, 3, 3]], decode=True)
-    ids, _, meta, ctx = runner.prepare_inputs(seqs, False, pad_to_rows=4, pad_to_seqs=4)
+    ids, _, meta, ctx = runner.prepare_inputs(StepBatch.of(seqs, False), pad_to_rows=4, pad_to_seqs=4)
     with runner.step_context(meta, ctx), torch.inference_mode():
         by_count, hidden = runner.run_model(ids, runner.logits_rows([0, 1]))
         by_index, _ = runner.run_model(ids, torch.tensor([0, 1]))

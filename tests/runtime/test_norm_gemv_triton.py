@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from atom.kernels import tuning  # no triton import: the workers set the interpreter up first
+
 # name: (rows, norm, gated, bias, residual); K=96 and N=40 are not multiples of the blocks.
 CASES = {
     "1row-norm": (1, True, False, False, False),
@@ -59,7 +61,7 @@ def _run_case(name: str) -> None:
         out = kernels.row_gemv(x, weight, bias, torch.empty(rows, N), norm_weight=fused["norm_weight"],
                                eps=fused["eps"], residual=fused["residual"])
     else:
-        run = kernels.gemv if rows <= kernels.MAX_ROWS else kernels.rows_path
+        run = kernels.gemv if rows <= tuning.GEMV_MAX_ROWS else kernels.rows_path
         out = run(x, weight, bias, **fused)
     assert out.shape == ref.shape == (rows, N)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -119,10 +121,10 @@ def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
                           "BLOCK_N": 16, "BLOCK_K": 2048 // elem * 2, "PDL": dt == "bf16"}
             compiled = compile_for_hopper(
                 kernels._row_gemv_kernel, row_sig | {c: "constexpr" for c in row_consts},
-                row_consts, num_warps=kernels.ROW_WARPS)
+                row_consts, num_warps=tuning.ROW_WARPS)
             if dt == "bf16":  # Llama-3.2-1B's qkv and o: the strip in registers, no spills
                 regs, spilled = hopper_registers(compiled)
-                assert spilled == 0 and regs * 32 * kernels.ROW_WARPS <= 65536, (regs, spilled)
+                assert spilled == 0 and regs * 32 * tuning.ROW_WARPS <= 65536, (regs, spilled)
         compile_for_hopper(kernels._rmsnorm_kernel,
               {"x_ptr": f"*{dt}", "nw_ptr": f"*{dt}", "y_ptr": f"*{dt}", "K": "i32",
                "eps": "fp32", "stride_x": "i32", "stride_y": "i32", "BLOCK": "constexpr"},
@@ -137,7 +139,9 @@ def test_tiled_plan_launches_early_as_measured_on_the_h200() -> None:
     and sixteen rows: only single-wave launches (gate_up in 128 strips of 64), each over half
     an SM's shared memory. No overlap: ordinary launches in the default strips."""
     pytest.importorskip("triton")
-    from atom.kernels.triton_norm_gemv import MAX_ROWS, ONE_WAVE_PDL_MAX_ROWS, tiled_plan
+    from atom.kernels.triton_norm_gemv import tiled_plan
+    from atom.kernels.tuning import GEMV_MAX_ROWS as MAX_ROWS
+    from atom.kernels.tuning import ONE_WAVE_PDL_MAX_ROWS
 
     assert ONE_WAVE_PDL_MAX_ROWS == MAX_ROWS == 16
     shapes = {"qkv": (3072, 2048, False), "o": (2048, 2048, False),

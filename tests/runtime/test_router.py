@@ -7,6 +7,7 @@ test_disagg.py runs the router process in front of real runtime processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,10 +19,19 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from atom.disagg.trust import TOKEN_HEADER
+from atom.entrypoints.kv_release import RELEASE_PATH
 from atom.router.pool import Pool, parse_target
 from atom.router.proxy import RouterSettings, create_router_app
 
-FAST = RouterSettings(health_interval=0.1, health_timeout=0.5, dns_interval=0.1, queue_timeout=0.5)
+TOKEN = "router-test-token"
+FAST = RouterSettings(
+    health_interval=0.1,
+    health_timeout=0.5,
+    dns_interval=0.1,
+    queue_timeout=0.5,
+    internal_token=TOKEN,
+)
 
 
 class Backend:
@@ -31,12 +41,18 @@ class Backend:
     def __init__(self, name: str, healthy: bool = True, reject: bool = False) -> None:
         self.name, self.healthy, self.reject = name, healthy, reject
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # of every request, /health included
+        self.released: list[dict[str, Any]] = []  # bodies of POST /internal/kv/release
+        self.health_delay = 0.0
+        self.draining = False  # /health 503 "draining", generation still served
+        self.health_reset = False  # /health probes get their connection cut (like refused)
         self.disconnects = 0
         self.step_s = 0.01
         self.hang = False  # accept requests and never answer
         self.hang_health = False
         self.drop = False  # close the connection without answering (a crash mid-request)
         self.decode_error: tuple[int, dict[str, Any]] | None = None
+        self.kv_host: str | None = None  # what a prefill handle advertises
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -44,21 +60,38 @@ class Backend:
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post(RELEASE_PATH, self.release)
         return app
 
+    async def release(self, request: web.Request) -> web.Response:
+        self.headers.append(dict(request.headers))
+        self.released.append(await request.json())
+        return web.json_response({"released": True})
+
     async def health(self, request: web.Request) -> web.Response:
+        self.headers.append(dict(request.headers))
+        await asyncio.sleep(self.health_delay)
+        if self.health_reset:
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.sleep(1)
         if self.hang_health:
             await asyncio.sleep(30)
+        if self.draining:
+            body = {"status": "draining", "reason": "server is shutting down"}
+            return web.json_response(body, status=503)
         if self.healthy:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "warming", "reason": "compiling"}, status=503)
 
     async def models(self, request: web.Request) -> web.Response:
+        self.headers.append(dict(request.headers))
         return web.json_response({"object": "list", "data": [{"id": self.name, "object": "model"}]})
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         if self.hang:
             await asyncio.sleep(30)
         if self.drop:
@@ -70,7 +103,12 @@ class Backend:
             return web.json_response({"error": {**err, "code": None}}, status=400)
         kv = body.get("kv_transfer") or {}
         if kv.get("mode") == "prefill":
-            handle = {"handle": f"{self.name}-{len(self.bodies)}", "kv_host": None, "kv_port": 9}
+            handle = {
+                "handle": f"{self.name}-{len(self.bodies)}",
+                "kv_host": self.kv_host,
+                "kv_port": 9,
+                "secret": "s3cret",
+            }
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer": handle})
         if self.decode_error is not None:
             status, err = self.decode_error
@@ -95,7 +133,7 @@ class Backend:
 async def serving(app: web.Application) -> AsyncIterator[str]:
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)  # 600 connect at once
     await site.start()
     try:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
@@ -188,8 +226,12 @@ def test_prefill_handle_goes_to_decode_round_robin() -> None:
         "handle": "p-1",
         "kv_host": "127.0.0.1",
         "kv_port": 9,
+        "secret": "s3cret",
         "mode": "decode",
     }
+    # every backend request carried the internal token; no hold needed releasing
+    assert all(h.get(TOKEN_HEADER) == TOKEN for b in (p, d1, d2) for h in b.headers)
+    assert p.released == []
     assert d1.bodies[-1]["max_completion_tokens"] == 9  # the fifth request: d1 again
 
 
@@ -236,10 +278,12 @@ def test_streaming_passthrough_and_disconnect() -> None:
                 async for _ in s.aiter_lines():
                     break
         for _ in range(100):
-            if d.disconnects:
+            if d.disconnects and p.released:
                 break
             await asyncio.sleep(0.02)
         assert d.disconnects == 1
+        # the client left after its prefill: the hold is released at once, with its secret
+        assert p.released == [{"handle": "p-2", "secret": "s3cret"}]
 
     with_router([p], [d], check)
 
@@ -251,12 +295,21 @@ def test_prefill_client_error_is_returned_without_decode() -> None:
         async with httpx.AsyncClient() as c:
             r = await complete(c, router)
             assert r.status_code == 400 and r.json()["error"]["message"] == "prompt too long"
-            bad = await c.post(
-                router + "/v1/completions",
-                content=b"{oops",
-                headers={"content-type": "application/json"},
-            )
-            assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+            for content, headers in (
+                (b"{oops", {}),
+                (b'{"model": "m", "prompt": "\\ud800"}', {}),  # a lone surrogate
+                (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}),
+                (b"\x1f\x8b not gzip", {"Content-Encoding": "gzip"}),
+                (b'{"model": "m"}', {"Content-Encoding": "bogus"}),
+            ):
+                bad = await c.post(
+                    router + "/v1/completions",
+                    content=content,
+                    headers={"content-type": "application/json", **headers},
+                )
+                assert bad.status_code == 400, bad.text
+                assert bad.json()["error"]["type"] == "invalid_request_error"
+            assert len(p.bodies) == 1  # none of them reached a backend
 
     with_router([p], [d], check)
     assert d.bodies == []
@@ -264,7 +317,7 @@ def test_prefill_client_error_is_returned_without_decode() -> None:
 
 def test_unreachable_decode_is_skipped_and_leaves_rotation() -> None:
     p, d, gone = Backend("p"), Backend("d"), Backend("gone")
-    no_probes = RouterSettings(health_interval=60, queue_timeout=0.5)  # only requests notice
+    no_probes = RouterSettings(health_interval=60, queue_timeout=0.5, internal_token=TOKEN)
 
     async def check(router: str, env: Env) -> None:
         await asyncio.sleep(0.3)  # the start-up probe pass found everyone healthy
@@ -327,23 +380,42 @@ def test_prefill_dying_mid_request_is_503_and_the_next_go_elsewhere() -> None:
                 assert (await complete(c, router)).status_code == 200
         assert len(p1.bodies) == 1 and len(p2.bodies) == 3
 
-    with_router([p1, p2], [d], check, settings=RouterSettings(health_interval=60))
+    with_router(
+        [p1, p2], [d], check, settings=RouterSettings(health_interval=60, internal_token=TOKEN)
+    )
 
 
-def test_silent_instance_is_found_dead_and_its_request_ends() -> None:
-    p, d = Backend("p"), Backend("d")
+def test_silent_instance_leaves_rotation_and_its_request_ends_by_its_own_timeout() -> None:
+    p, d, d2 = Backend("p"), Backend("d"), Backend("d2")
 
     async def check(router: str, env: Env) -> None:
         async with httpx.AsyncClient(timeout=30) as c:
             d.hang = d.hang_health = True  # alive socket, no answers: a frozen or cut-off pod
+            d2.healthy = False
+            await asyncio.sleep(0.5)  # probes time out twice: d is out, new requests wait
             t0 = time.monotonic()
             r = await complete(c, router)
-            assert time.monotonic() - t0 < 5.0
-            assert r.status_code == 503 and r.json()["error"]["code"] == "decode_failed"
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend"
             assert "/health timed out" in r.json()["error"]["message"]
+            assert d.bodies == [] and time.monotonic() - t0 < 2.0
+            # a request already on it when it froze ends when its own read times out
+            d.hang_health, d2.healthy = False, True
+            await asyncio.sleep(0.3)
+            late = asyncio.ensure_future(complete(c, router))  # both idle: d is first
+            while len(d.bodies) < 1:
+                await asyncio.sleep(0.01)
+            d.hang_health = True
+            t0 = time.monotonic()
+            r = await late
+            assert 0.5 < time.monotonic() - t0 < 3.0
+            assert r.status_code == 503 and r.json()["error"]["code"] == "decode_failed"
+            assert "timed out" in r.json()["error"]["message"]
+            r = await complete(c, router)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d2"
+        assert len(p.released) == 1  # the failed decode freed its prefill hold at once
 
-    settings = RouterSettings(health_interval=0.1, health_timeout=0.2, dead_after=2)
-    with_router([p], [d], check, settings=settings)
+    settings = dataclasses.replace(FAST, health_timeout=0.2, read_timeout=1.0)
+    with_router([p], [d, d2], check, settings=settings)
 
 
 def test_decode_failure_before_and_after_the_first_byte() -> None:
@@ -376,7 +448,9 @@ def test_decode_failure_before_and_after_the_first_byte() -> None:
             err = json.loads(events[-2].removeprefix("data: "))["error"]
             assert err["code"] == "decode_failed" and env.urls[d] in err["message"]
 
-    settings = RouterSettings(health_interval=0.1, health_timeout=0.2, dead_after=2)
+    settings = RouterSettings(
+        health_interval=0.1, health_timeout=0.2, read_timeout=1.0, internal_token=TOKEN
+    )
     with_router([p], [d], check, settings=settings)
 
 
@@ -465,3 +539,154 @@ def test_router_follows_a_dns_name() -> None:
             assert (await complete(c, router)).status_code == 503
 
     with_router([p], [d1, d2], check, targets=targets, resolver=resolver)
+
+
+def sse_ok(r: httpx.Response, tokens: int) -> bool:
+    events = [line for line in r.text.split("\n") if line.startswith("data: ")]
+    return r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == tokens + 1
+
+
+def test_600_concurrent_requests_survive_a_backend_whose_health_turns_slow() -> None:
+    """Busy is not dead: once d2 is loaded its /health takes longer than the probe timeout,
+    but its streams progress, so it stays in rotation and none of its requests is aborted."""
+    p, d1, d2 = Backend("p"), Backend("d1"), Backend("d2")
+    d1.step_s = d2.step_s = 0.1
+
+    async def check(router: str, env: Env) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+
+            async def one(i: int) -> httpx.Response:
+                return await complete(c, router, prompt=f"q{i}", max_tokens=4, stream=True)
+
+            calls = [asyncio.ensure_future(one(i)) for i in range(600)]
+            while len(d2.bodies) < 50:
+                await asyncio.sleep(0.01)
+            d2.health_delay = 2.0  # > health_timeout: every probe of d2 times out from now
+            rs = await asyncio.gather(*calls)
+            health = (await c.get(router + "/metrics")).text
+            probed = (await c.get(router + "/health")).json()["backends"]["decode"][1]
+        # d2's probes really timed out, over and over, while its streams ran
+        timeouts = int(probed["reason"].split("timed out (")[1].split("x")[0])
+        assert probed["status"] is None and timeouts >= 3, probed
+        assert [r.status_code for r in rs] == [200] * 600
+        assert all(sse_ok(r, 4) for r in rs)
+        assert len(d1.bodies) + len(d2.bodies) == 600 and len(d2.bodies) > 100
+        assert d1.disconnects == d2.disconnects == 0 and p.released == []
+        errors = samples(health, "atom_router_backend_errors_total")
+        assert sum(errors.values()) == 0
+
+    settings = RouterSettings(
+        health_interval=0.2, health_timeout=0.5, queue_timeout=10.0, internal_token=TOKEN
+    )
+    with_router([p], [d1, d2], check, settings=settings)
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("draining", "server is shutting down"), ("health_reset", "/health unreachable")],
+)
+def test_a_backend_out_of_rotation_gets_no_new_work_and_its_streams_finish(
+    fault: str, reason: str
+) -> None:
+    """draining: SIGTERM, /health 503 `draining`; health_reset: probes cut at the connection
+    (as refused). Either takes d1 out for new requests; its streams in flight go on."""
+    p, d1, d2 = Backend("p"), Backend("d1"), Backend("d2")
+    d1.step_s = d2.step_s = 0.1
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            streams = [
+                asyncio.ensure_future(complete(c, router, max_tokens=15, stream=True))
+                for _ in range(10)
+            ]
+            while len(d1.bodies) + len(d2.bodies) < 10:
+                await asyncio.sleep(0.01)
+            on_d1 = len(d1.bodies)
+            assert on_d1 >= 3  # least outstanding: the streams are spread over d1 and d2
+            setattr(d1, fault, True)
+            await asyncio.sleep(0.3)
+            later = [(await complete(c, router)).json()["choices"][0]["text"] for _ in range(5)]
+            assert later == ["d2"] * 5 and len(d1.bodies) == on_d1
+            rs = await asyncio.gather(*streams)
+            assert all(sse_ok(r, 15) for r in rs)
+            health = (await c.get(router + "/health")).json()["backends"]["decode"]
+            assert health[0]["reason"].startswith(reason) and health[1]["reason"] == "ok"
+        assert d1.disconnects == 0 and p.released == []
+
+    with_router([p], [d1, d2], check)
+
+
+def test_failure_reasons_are_bounded_and_do_not_nest() -> None:
+    p, d = Backend("p"), Backend("d")
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            d.decode_error = (500, {"message": "decode exploded: " + "x" * 5000})
+            for _ in range(3):
+                r = await complete(c, router)
+                err = r.json()["error"]
+                assert r.status_code == 503 and len(err["message"]) < 400
+                assert err["message"].count("decode instance") == 1
+            d.decode_error = None
+            d.drop = True
+            r = await complete(c, router)
+            msg = r.json()["error"]["message"]
+            assert r.status_code == 503 and "InstanceLost" not in msg and len(msg) < 400
+            for _ in range(100):  # releases run in the background
+                if len(p.released) == 4:
+                    break
+                await asyncio.sleep(0.02)
+        assert len(p.released) == 4
+
+    with_router([p], [d], check)
+
+
+def test_api_key_is_checked_and_forwarded_and_client_kv_transfer_is_replaced() -> None:
+    p, d = Backend("p"), Backend("d")
+    settings = dataclasses.replace(FAST, api_key="sk-test")
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await complete(c, router)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            bad = {"Authorization": "Bearer nope"}
+            assert (await c.get(router + "/v1/models", headers=bad)).status_code == 401
+            assert (await c.get(router + "/health")).status_code == 200  # probes stay open
+            assert p.bodies == [] and d.bodies == []
+            good = {"Authorization": "Bearer sk-test"}
+            evil = {"mode": "decode", "kv_host": "10.9.9.9", "kv_port": 22, "handle": "x"}
+            r = await c.post(
+                router + "/v1/completions",
+                json={"model": "m", "prompt": "x", "kv_transfer": evil},
+                headers=good,
+            )
+            assert r.status_code == 200
+            assert (await c.get(router + "/v1/models", headers=good)).status_code == 200
+            p.kv_host = "169.254.169.254"
+            assert (await complete(c, router, prompt="y")).status_code == 401
+            r = await c.post(
+                router + "/v1/completions", json={"model": "m", "prompt": "y"}, headers=good
+            )
+            assert r.status_code == 200
+        assert p.bodies[0]["kv_transfer"] == {"mode": "prefill"}
+        assert d.bodies[0]["kv_transfer"]["kv_host"] == "127.0.0.1"
+        assert d.bodies[0]["kv_transfer"]["handle"] == "p-1"
+        # a prefill advertising an address that is no prefill instance is not believed
+        assert d.bodies[1]["kv_transfer"]["kv_host"] == "127.0.0.1"
+        sent = [h for b in (p, d) for h in b.headers if "Authorization" in h]
+        assert len(sent) == 5 and all(h["Authorization"] == "Bearer sk-test" for h in sent)
+
+    with_router([p], [d], check, settings=settings)
+
+
+def test_router_refuses_to_start_without_the_internal_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atom.router.main import main
+
+    monkeypatch.delenv("ATOM_INTERNAL_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="ATOM_INTERNAL_TOKEN must be set"):
+        create_router_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    assert main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]) == 2
+    assert "ATOM_INTERNAL_TOKEN must be set" in capsys.readouterr().err

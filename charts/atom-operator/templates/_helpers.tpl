@@ -18,12 +18,17 @@ app.kubernetes.io/name: {{ include "atom-operator.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{- define "atom-operator.labels" -}}
+{{/* Labels of every object but the component, for objects that name their own. */}}
+{{- define "atom-operator.commonLabels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{ include "atom-operator.selectorLabels" . }}
-app.kubernetes.io/component: operator
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "atom-operator.labels" -}}
+{{ include "atom-operator.commonLabels" . }}
+app.kubernetes.io/component: operator
 {{- end }}
 
 {{- define "atom-operator.serviceAccountName" -}}
@@ -69,6 +74,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# A PodMonitor per AtomDeployment with spec.monitoring.enabled (when the CRD is installed).
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
+# The internal-token Secret is created once and never read back: create only.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+# To spot an HPA aimed at a child Deployment (it would fight the operator).
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]

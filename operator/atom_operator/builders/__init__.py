@@ -13,6 +13,8 @@ from typing import Any
 from atom_operator import naming, runtime_args
 from atom_operator.builders.cache import build_pvc, build_warmup_job
 from atom_operator.builders.common import Owner
+from atom_operator.builders.monitoring import build_pod_monitor
+from atom_operator.builders.policy import build_disruption_budgets, build_network_policies
 from atom_operator.builders.router import build_router_deployment, router_args
 from atom_operator.builders.runtime import (
     build_config_map,
@@ -22,6 +24,7 @@ from atom_operator.builders.runtime import (
     claim_name,
     pod_template,
 )
+from atom_operator.builders.secret import token_secret_name
 from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot, deployment_complete, job_state, router_revision
 
@@ -39,6 +42,11 @@ class Plan:
     warmup_jobs: dict[str, str] = field(default_factory=dict)  # cache key -> Job name
     waiting_for_warmup: list[str] = field(default_factory=list)  # roles held back
     endpoint: str = ""
+    rolling_without_cache: bool = False  # the claim is being deleted (see plan())
+    token_secret: str | None = None  # internal-token Secret to create once (disaggregated)
+
+    def owned_deployments(self) -> set[str]:
+        return {name for kind, name in self.keep if kind == "Deployment"}
 
     def add(self, obj: dict[str, Any] | None) -> None:
         if obj is not None:
@@ -65,12 +73,24 @@ def revision_of(templates: dict[str, dict[str, Any]]) -> str:
     return naming.digest(templates, 10)
 
 
+def without_cache(spec: AtomDeploymentSpec) -> AtomDeploymentSpec:
+    cache = spec.compile_cache.model_copy(update={"enabled": False})
+    return spec.model_copy(update={"compile_cache": cache})
+
+
 def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot) -> Plan:
     keys = cache_keys(spec, image)
-    templates = _templates(owner, spec, image, keys)
-    rev = revision_of(templates)
-    out = Plan(revision=rev, cache_keys=keys, claim_name=claim_name(owner, spec))
+    out = Plan(cache_keys=keys, claim_name=claim_name(owner, spec))
     out.endpoint = naming.service_url(owner.name, owner.namespace, naming.UNIFIED, None)
+    if observed.pvc is not None and observed.pvc["metadata"].get("deletionTimestamp"):
+        # A claim being deleted stays (pvc-protection) while a pod mounts it, and a new pod
+        # waits on it forever: with maxUnavailable 0 neither would go. Pods roll without the
+        # cache instead; once the old pods are gone the claim goes, and the next reconcile
+        # recreates it (the spec's cache is back, one more roll).
+        spec = without_cache(spec)
+        out.rolling_without_cache = True
+    templates = _templates(owner, spec, image, keys)
+    rev = out.revision = revision_of(templates)
 
     out.add(build_pvc(owner, spec))
     warm = _plan_warmup(out, owner, spec, image, keys, observed)
@@ -90,6 +110,11 @@ def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot)
         router = _plan_disaggregated(out, owner, spec, image, templates, warm, observed)
     out.add(build_endpoint_service(owner, spec))
     out.add(build_config_map(owner, spec, image, keys, rev, router))
+    for obj in build_network_policies(owner, spec) + build_disruption_budgets(owner, spec):
+        out.add(obj)
+    out.add(build_pod_monitor(owner, spec))
+    if spec.disaggregated:
+        out.token_secret = token_secret_name(owner.name)
     return out
 
 
@@ -150,4 +175,5 @@ def _plan_disaggregated(
             out.keep.add(("Service", naming.role_service_name(owner.name, role, keep_rev)))
     out.add(build_router_deployment(owner, spec, image, target))
     out.serving_revision = target
-    return router_args(owner, target)
+    assert spec.disaggregation is not None
+    return router_args(owner, target, spec.disaggregation.router.routing_policy)

@@ -6,13 +6,26 @@ from typing import Any
 
 from atom_operator import naming
 from atom_operator.builders.common import Owner, metadata
-from atom_operator.builders.runtime import container_security_context, pod_security_context
+from atom_operator.builders.runtime import (
+    api_key_env,
+    container_security_context,
+    pod_security_context,
+    spread,
+    with_default_requests,
+)
+from atom_operator.builders.secret import token_env
 from atom_operator.models import AtomDeploymentSpec
 
+# An asyncio proxy: one core and a little memory carry thousands of streams.
+ROUTER_CPU = "500m"
+ROUTER_MEMORY = "1Gi"
 
-def router_args(owner: Owner, revision: str) -> list[str]:
+
+def router_args(owner: Owner, revision: str, routing_policy: str = "prefix") -> list[str]:
     """DNS names of the revision's headless role Services: the router balances over their pods
-    (each request needs one prefill pod and one decode pod, not a Service's random pick)."""
+    (each request needs one prefill pod and one decode pod, not a Service's random pick).
+    --routing-policy is rendered only when it is not the router's default (prefix)."""
+    policy = [] if routing_policy == "prefix" else ["--routing-policy", routing_policy]
     return [
         "--prefill",
         naming.service_address(owner.name, owner.namespace, naming.PREFILL, revision),
@@ -20,6 +33,7 @@ def router_args(owner: Owner, revision: str) -> list[str]:
         naming.service_address(owner.name, owner.namespace, naming.DECODE, revision),
         "--port",
         str(naming.HTTP_PORT),
+        *policy,
     ]
 
 
@@ -33,14 +47,32 @@ def build_router_deployment(
         "name": "router",
         "image": image,
         "command": ["atom-router"],
-        "args": router_args(owner, serving_revision),
+        "args": router_args(owner, serving_revision, router.routing_policy),
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
-        "securityContext": container_security_context(),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        # A TCP check, not /health: that one is 503 while no backend is healthy, and
+        # restarting the router would not bring a backend back.
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+            "timeoutSeconds": 5,
+        },
+        "securityContext": {**container_security_context(), "readOnlyRootFilesystem": True},
+        "env": [{"name": "HOME", "value": "/tmp"}, token_env(owner.name), *api_key_env(spec)],
+        "resources": with_default_requests(router.resources or {}, ROUTER_CPU, ROUTER_MEMORY),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
-    if router.resources is not None:
-        container["resources"] = router.resources
+    pod: dict[str, Any] = {
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "topologySpreadConstraints": spread(spec, owner.name, naming.ROUTER),
+    }
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
     labels = naming.labels(owner.name, "router", naming.ROUTER, serving_revision)
     return {
         "apiVersion": "apps/v1",
@@ -59,13 +91,6 @@ def build_router_deployment(
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
             "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "securityContext": pod_security_context(),
-                    "containers": [container],
-                    "enableServiceLinks": False,
-                },
-            },
+            "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }

@@ -7,11 +7,25 @@ from typing import Any
 
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
+from atom_operator.builders.secret import token_env
 from atom_operator.models import AtomDeploymentSpec
 
 DEFAULT_RESOURCES: dict[str, Any] = {"limits": {"nvidia.com/gpu": 1}}
+# Filled in where the spec leaves them out, so runtime pods are never BestEffort (first to be
+# evicted, each restart repaying compile and capture). Memory request = limit: the kubelet
+# does not pick such a pod first under memory pressure. Fixed, not derived from the model:
+# the weights live on the GPU and their size is unknown here (a path on a volume); the host
+# side is torch, the CUDA context, tokenizer, compiled code, staging buffers and /dev/shm.
+DEFAULT_CPU = "2"
+DEFAULT_MEMORY = "16Gi"
 RUNTIME_UID = 1000
 PROBE_PERIOD_S = 10
+# SIGTERM handling (CONTRACTS.md): preStop sleep lets endpoints drop the pod first, then the
+# runtime drains in-flight streams (--drain-seconds, 30 by default), then a margin.
+PRESTOP_SLEEP_S = 5
+DRAIN_SECONDS = 30
+GRACE_MARGIN_S = 10
+TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_SECONDS + GRACE_MARGIN_S
 
 
 def pod_security_context() -> dict[str, Any]:
@@ -28,12 +42,49 @@ def container_security_context() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
+def with_default_requests(resources: dict[str, Any], cpu: str, memory: str) -> dict[str, Any]:
+    """`resources` with a CPU and memory request and a memory limit wherever it sets none
+    (a limit alone implies the same request; a request alone becomes the limit too)."""
+    requests = dict(resources.get("requests") or {})
+    limits = dict(resources.get("limits") or {})
+    if "cpu" not in requests and "cpu" not in limits:
+        requests["cpu"] = cpu
+    if "memory" not in requests and "memory" not in limits:
+        requests["memory"] = memory
+    limits.setdefault("memory", requests.get("memory", memory))
+    return {**resources, "requests": requests, "limits": limits}
+
+
 def role_resources(spec: AtomDeploymentSpec, role: str) -> dict[str, Any]:
+    own = None
     if spec.disaggregation is not None and role in (naming.PREFILL, naming.DECODE):
         own = getattr(spec.disaggregation, role).resources
-        if own is not None:
-            return own
-    return spec.resources if spec.resources is not None else DEFAULT_RESOURCES
+    if own is None:
+        own = spec.resources if spec.resources is not None else DEFAULT_RESOURCES
+    return with_default_requests(own, DEFAULT_CPU, DEFAULT_MEMORY)
+
+
+def api_key_env(spec: AtomDeploymentSpec) -> list[dict[str, Any]]:
+    ref = spec.api_key_secret_ref
+    if ref is None:
+        return []
+    key_ref = {"name": ref.name, "key": ref.key}
+    return [{"name": "ATOM_API_KEY", "valueFrom": {"secretKeyRef": key_ref}}]
+
+
+def spread(spec: AtomDeploymentSpec, instance: str, role: str) -> list[dict[str, Any]]:
+    """Soft spread of a role's pods over nodes (all revisions together), unless the spec
+    says otherwise: two replicas on one GPU node share its failure."""
+    if spec.topology_spread_constraints is not None:
+        return spec.topology_spread_constraints
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": naming.selector_labels(instance, role)},
+        }
+    ]
 
 
 def cache_dir(spec: AtomDeploymentSpec, key: str) -> str | None:
@@ -47,7 +98,13 @@ def claim_name(owner: Owner, spec: AtomDeploymentSpec) -> str | None:
 
 
 def runtime_container(
-    spec: AtomDeploymentSpec, role: str, image: str, key: str, *, command: str = "serve"
+    owner_name: str,
+    spec: AtomDeploymentSpec,
+    role: str,
+    image: str,
+    key: str,
+    *,
+    command: str = "serve",
 ) -> dict[str, Any]:
     """The runtime container; `warmup` gets the same flags and no probes."""
     args = runtime_args.render_args(spec, role, cache_dir=cache_dir(spec, key), command=command)
@@ -59,11 +116,13 @@ def runtime_container(
         mounts.append({"name": "compile-cache", "mountPath": naming.CACHE_MOUNT})
     if spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": naming.MODEL_MOUNT, "readOnly": True})
-    env = [{"name": "HOME", "value": "/tmp"}, *(spec.env or [])]  # arbitrary non-root uid
+    env = [{"name": "HOME", "value": "/tmp"}, *api_key_env(spec)]  # arbitrary non-root uid
     if role in (naming.PREFILL, naming.DECODE):
-        # The address a decode pod dials for this pod's KV blocks (atom-runtime --kv-host).
+        # The KV port binds to the pod IP (--kv-host $(POD_IP)), never 0.0.0.0; only the
+        # router's token lets a request steer a KV transfer.
         pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
-        env.append({"name": "ATOM_KV_HOST", "valueFrom": pod_ip})
+        env += [{"name": "POD_IP", "valueFrom": pod_ip}, token_env(owner_name)]
+    env += spec.env or []
     container: dict[str, Any] = {
         "name": "runtime",
         "image": image,
@@ -91,11 +150,21 @@ def runtime_container(
             "failureThreshold": 3,
             "timeoutSeconds": 5,
         }
+        # /livez fails when the engine loop is hung or its core died (not during a long
+        # compile: liveness starts only once the startup probe passed).
+        container["livenessProbe"] = {
+            "httpGet": {"path": "/livez", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": 3,
+            "timeoutSeconds": 5,
+        }
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}}
     return container
 
 
 def pod_volumes(owner: Owner, spec: AtomDeploymentSpec) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    dshm = {"medium": "Memory", "sizeLimit": spec.shm_size}
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": dshm}]
     claim = claim_name(owner, spec)
     if claim:
         volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": claim}})
@@ -115,11 +184,18 @@ def pod_spec(
 ) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "securityContext": pod_security_context(),
-        "containers": [runtime_container(spec, role, image, key, command=command)],
+        "containers": [runtime_container(owner.name, spec, role, image, key, command=command)],
         "volumes": pod_volumes(owner, spec),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the runtime never calls the API
     }
+    if command == "serve":
+        pod["topologySpreadConstraints"] = spread(spec, owner.name, role)
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name:
+        pod["runtimeClassName"] = spec.runtime_class_name
     if spec.node_selector:
         pod["nodeSelector"] = spec.node_selector
     if spec.tolerations:

@@ -43,6 +43,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value}")
+    return value
+
+
 def _level(text: str) -> int:
     value = int(text)
     if value not in (0, 1, 2, 3):
@@ -64,6 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="end every step with its tokens on the host (default: launch each step before reading the last)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of cached prompt prefixes (default on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--level", type=_level, default=None, help="compilation level 0-3 (default 3)")
     parser.add_argument("--cudagraph-mode", default=None, help="NONE, TR_HYBRID, FULL, FULL_DECODE_ONLY, FULL_AND_TR_HYBRID")
     parser.add_argument("--cudagraph-capture-sizes", type=_positive_int, nargs="+", default=None)
@@ -72,8 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache-dir", default=None)
     parser.add_argument("--role", choices=ROLES, default="unified")
     parser.add_argument("--kv-port", type=int, default=None, help="serve held KV blocks on this port (prefill default 8001; 0: any free port)")
-    parser.add_argument("--kv-host", default=None, help="address decode instances dial for this instance's blocks (default $ATOM_KV_HOST, else the router fills in the address it reached)")
+    parser.add_argument("--kv-host", default=None, help="address the KV port binds to and decode instances dial (default: bind --host; dial $ATOM_KV_HOST, else the address the router reached)")
     parser.add_argument("--kv-hold-seconds", type=_positive_float, default=30.0, help="prefill: free blocks not pulled within this time")
+    parser.add_argument("--max-held-kv-fraction", type=_fraction, default=0.5, help="prefill: cap on KV blocks held for pulls, as a fraction of the pool; beyond it prefills get 503 kv_hold_cap")
     parser.add_argument("--kv-pull-timeout", type=_positive_float, default=30.0, help="decode: bound on one pull attempt (a broken pull is retried once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)

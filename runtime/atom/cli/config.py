@@ -42,6 +42,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         async_scheduling=getattr(args, "async_scheduling", True),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         compilation_config=compilation_from_args(args),
         seed=args.seed,
         role=args.role,

@@ -88,8 +88,7 @@ async def release_kv(handle: KVHandle, layout: KVLayout, timeout: float = 5.0) -
     try:
         conn = await wire.SocketConn.open(handle.kv_host or "", handle.kv_port, timeout)
         try:
-            body = {"handle": handle.handle, "layout": layout.to_dict()}
-            await conn.write_frame(wire.RELEASE, body)
+            await conn.write_frame(wire.RELEASE, _request(handle, layout))
             _, kind, _ = await conn.read_frame()
             return kind == wire.DONE
         finally:
@@ -97,6 +96,10 @@ async def release_kv(handle: KVHandle, layout: KVLayout, timeout: float = 5.0) -
     except (*_TRANSPORT_ERRORS, wire.WireError) as exc:
         logger.info("KV release at %s failed: %s (the hold times out)", handle.address, exc)
         return False
+
+
+def _request(handle: KVHandle, layout: KVLayout) -> dict[str, Any]:
+    return {"handle": handle.handle, "secret": handle.secret, "layout": layout.to_dict()}
 
 
 def _count(metrics: Any, outcome: str) -> None:
@@ -113,7 +116,7 @@ def _describe(exc: BaseException) -> str:
 async def _pull_once(handle: KVHandle, layout: KVLayout, io_timeout: float) -> torch.Tensor:
     conn = await wire.SocketConn.open(handle.kv_host or "", handle.kv_port, io_timeout)
     try:
-        await conn.write_frame(wire.PULL, {"handle": handle.handle, "layout": layout.to_dict()})
+        await conn.write_frame(wire.PULL, _request(handle, layout))
         version, kind, head = await conn.read_frame()
         if version != wire.WIRE_VERSION:
             raise KVTransferError(

@@ -5,10 +5,16 @@ JSON (the `kv_transfer` field of the prefill response and of the decode request)
     {"version": 1, "handle": "cmpl-...", "kv_host": "10.0.0.5" | null, "kv_port": 8001,
      "identity": "<model identity>", "model": "llama-3.2-1b", "num_blocks": 32,
      "prompt_token_ids": [...], "first_token_id": 42, "first_logprob": -1.3 | null,
-     "expires_in": 30.0}
+     "expires_in": 30.0, "secret": "<per-transfer secret>",
+     "cached_tokens": 0}
+
+`secret` (trust.TransferKeys) is what the prefill's KV server asks of a PULL or RELEASE besides
+the handle; only our router ever sees it (it reaches no client).
 
 `kv_host` is null when the prefill instance does not know its own address (no --kv-host or
-ATOM_KV_HOST); the router then fills in the host it reached the instance at.
+ATOM_KV_HOST); the router then fills in the host it reached the instance at. `cached_tokens`
+(optional, default 0): prompt tokens the prefill instance found in its prefix cache, which the
+decode instance reports as `usage.prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class KVHandle:
     first_logprob: float | None = None
     expires_in: float = 0.0
     version: int = WIRE_VERSION
+    secret: str = ""
+    cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,4 +87,6 @@ class KVHandle:
             first_logprob=None if logprob is None else float(logprob),
             expires_in=float(get("expires_in", (int, float), optional=True) or 0.0),
             version=version,
+            secret=get("secret", str, optional=True) or "",
+            cached_tokens=int(get("cached_tokens", int, optional=True) or 0),
         )

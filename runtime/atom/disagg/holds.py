@@ -5,6 +5,10 @@ The engine thread adds holds (when a prefill sequence finishes) and takes back f
 pulled (the decode acknowledged every byte), released, or its deadline passed while no pull was
 running; its blocks then go back to the engine's free list. A pull in progress is never cut
 short by the deadline, and a failed pull leaves the hold in place for the decode's one retry.
+
+`HoldCap` bounds what holds may pin: a prefill reserves its prompt's blocks before it runs, and
+is refused (HoldCapExceeded, answered 503 `kv_hold_cap`) when held + reserved + its own would
+pass the cap, so prompts nobody pulls cannot starve the engine of blocks.
 """
 
 from __future__ import annotations
@@ -114,8 +118,57 @@ class KVHoldRegistry:
         return self._blocks_held
 
     def describe(self, handle: str) -> str:
-        """Why a handle cannot be pulled, for the error message."""
+        """Why a handle cannot be pulled, for the error message (bounded: the peer chose it)."""
         return (
-            f"KV handle {handle!r} is unknown: already pulled, released, or expired "
+            f"KV handle {handle[:80]!r} is unknown: already pulled, released, or expired "
             f"(blocks are held {self.hold_seconds:g}s)"
         )
+
+
+class HoldCapExceeded(Exception):
+    """A prefill would pin more blocks than the cap allows; the message gives the numbers."""
+
+
+class Reservation:
+    """Blocks reserved for one prefill until its hold is registered (or it failed)."""
+
+    def __init__(self, cap: HoldCap, blocks: int) -> None:
+        self._cap, self.blocks = cap, blocks
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cap.unreserve(self)
+
+
+class HoldCap:
+    def __init__(self, fraction: float) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"--max-held-kv-fraction must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+        self._lock = threading.Lock()
+        self.reserved = 0
+        self.refused = 0  # prefills answered kv_hold_cap
+
+    def limit(self, total_blocks: int) -> int:
+        return int(total_blocks * self.fraction)
+
+    def reserve(self, blocks: int, held: int, total_blocks: int) -> Reservation:
+        """A reservation of `blocks`, or HoldCapExceeded; `held`: blocks holds pin now."""
+        limit = self.limit(total_blocks)
+        with self._lock:
+            if held + self.reserved + blocks > limit:
+                self.refused += 1
+                raise HoldCapExceeded(
+                    f"KV blocks held for transfers are at their cap: {held} held and "
+                    f"{self.reserved} reserved of {limit} ({self.fraction:g} of {total_blocks}); "
+                    f"this prompt needs {blocks} more. Retry once decode instances pull them."
+                )
+            self.reserved += blocks
+        return Reservation(self, blocks)
+
+    def unreserve(self, reservation: Reservation) -> None:
+        with self._lock:
+            self.reserved -= reservation.blocks
+            reservation.blocks = 0

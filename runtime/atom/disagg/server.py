@@ -21,6 +21,7 @@ from atom.disagg import wire
 from atom.disagg.holds import Hold, KVHoldRegistry
 from atom.disagg.kv_blocks import as_bytes, gather_blocks
 from atom.disagg.layout import KVLayout
+from atom.disagg.trust import TransferKeys
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class KVSource:
     layout: KVLayout
     holds: KVHoldRegistry
     kv_cache: Any
+    keys: TransferKeys | None = None  # None: handles alone suffice (in-process tests only)
 
 
 class KVServer:
@@ -65,6 +67,7 @@ class KVServer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _refuse(self, writer: asyncio.StreamWriter, kind: int, message: str) -> None:
+        message = message if len(message) <= 300 else message[:297] + "..."  # the peer chose it
         logger.warning("KV request refused (%s): %s", wire.ERROR_NAMES.get(kind, kind), message)
         if self.metrics is not None:
             self.metrics.outcome("sent", "refused")
@@ -107,6 +110,8 @@ class KVServer:
         why = src.layout.mismatch(theirs, mine="the prefill instance", theirs="the decode instance")
         if why:
             return await self._refuse(writer, wire.MISMATCH, why)
+        if src.keys is not None and not src.keys.verify(handle, body.get("secret")):
+            return await self._refuse(writer, wire.UNKNOWN_HANDLE, src.holds.describe(handle))
         if kind == wire.RELEASE:
             if src.holds.release(handle):
                 return await wire.write_frame(writer, wire.DONE, {}, self.io_timeout)

@@ -14,10 +14,12 @@ from typing import Any
 
 from atom.disagg.client import PulledKV, pull_kv, release_kv
 from atom.disagg.handle import KVHandle
+from atom.disagg.holds import HoldCap, Reservation
 from atom.disagg.kv_blocks import engine_layout
 from atom.disagg.layout import KVLayout
 from atom.disagg.server import KVServer, KVSource
 from atom.wire.kv_modes import DEFAULT_KV_PORT
+from atom.wire.trust import TransferKeys
 
 __all__ = ["DEFAULT_KV_PORT", "KVService"]
 
@@ -26,17 +28,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class KVService:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # the KV port's bind address (--kv-host, else --host)
     port: int | None = None  # None: this instance serves no blocks (0: any free port)
     advertise_host: str | None = None  # the address decode instances dial; None: router fills it
     hold_seconds: float = 30.0
     pull_timeout: float = 30.0
+    max_held_fraction: float = 0.5  # --max-held-kv-fraction
     metrics: Any = None  # atom.disagg.metrics.KVMetrics
     layout: KVLayout | None = None
     engine: Any = None
     server: KVServer | None = None
     bound_port: int = 0
+    keys: TransferKeys = field(default_factory=TransferKeys)
+    cap: HoldCap = field(init=False)
     _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.cap = HoldCap(self.max_held_fraction)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -65,7 +73,28 @@ class KVService:
     def _source(self) -> KVSource | None:
         if self.engine is None or self.layout is None:
             return None
-        return KVSource(self.layout, self.engine.kv_holds, self.engine.runner.kv_cache)
+        return KVSource(
+            self.layout, self.engine.kv_holds, self.engine.runner.kv_cache, keys=self.keys
+        )
+
+    def reserve(self, num_tokens: int) -> Reservation:
+        """Room for one prefill's hold under the cap (HoldCapExceeded when there is none)."""
+        assert self.layout is not None
+        return self.cap.reserve(
+            self.layout.blocks_for(num_tokens),
+            held=self.engine.kv_holds.num_blocks_held,
+            total_blocks=self.engine.block_manager.num_blocks,
+        )
+
+    def release_local(self, handle: str) -> bool:
+        """Drop one of this instance's holds now (its answer never reached a decode instance)."""
+        if self.engine is None:
+            return False
+        return self.engine.kv_holds.release(handle)
+
+    def release_verified(self, handle: str, secret: object) -> bool:
+        """POST /internal/kv/release: drop a hold only for its per-transfer secret."""
+        return self.keys.verify(handle, secret) and self.release_local(handle)
 
     # ---- decode side ----------------------------------------------------------------------------
     async def pull(self, handle: KVHandle) -> PulledKV:

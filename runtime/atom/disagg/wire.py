@@ -4,7 +4,7 @@ Every message is a frame: magic b"ATKV", u16 version, u16 kind, u32 length, then
 of UTF-8 JSON (network byte order). Magic and version come first in every version, so two
 instances of different versions can always tell each other so.
 
-    decode -> prefill   PULL    {"handle", "layout"}      (or RELEASE: drop the blocks unread)
+    decode -> prefill   PULL    {"handle", "secret", "layout"}  (or RELEASE: drop them unread)
     prefill -> decode   OK      {"layout", "num_blocks", "num_tokens", "chunk_blocks"}
                         then num_blocks * layout.block_bytes raw bytes, block-major: each block is
                         [2 (k, v), layers, block_size, kv_heads, head_dim] in layout.dtype,
@@ -13,7 +13,8 @@ instances of different versions can always tell each other so.
     prefill -> decode   DONE    {}                        (blocks freed on the prefill side)
 
 Errors answer the first frame instead of OK: {"message": ...} with kind UNKNOWN_HANDLE, MISMATCH,
-BAD_REQUEST, NOT_READY or BAD_VERSION. The prefill instance checks the decode's layout (and the
+BAD_REQUEST, NOT_READY or BAD_VERSION. A wrong `secret` is answered UNKNOWN_HANDLE, as an
+unknown handle is (nothing tells a guesser which handles exist). The prefill instance checks the decode's layout (and the
 decode checks the prefill's) before any block is read or written.
 """
 

@@ -22,13 +22,16 @@ import torch
 
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import scatter_blocks
+from atom.disagg.layout import model_identity
+from atom.engine.batch import StepBatch
 from atom.engine.block_manager import BlockManager
+from atom.engine.model_runner import ModelRunner
 from atom.engine.params import RequestOutput, SamplingParams
+from atom.engine.prefix_cache import BlockHash, root_hash
 from atom.engine.sampled_copy import SampledCopier, SampledCopy
 from atom.engine.sampler import Sampler, host_results
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence
-from atom.model_engine.model_runner import ModelRunner
 from atom.models.registry import load_model_config
 from atom.utils.counters import counters
 
@@ -72,7 +75,10 @@ class LLMEngine:
                 f"sequence of max_model_len={config.max_model_len}; lower max_model_len or add blocks"
             )
         self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size,
+            enable_prefix_caching=bool(getattr(config, "enable_prefix_caching", True)),
+            root=self._prefix_root())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
@@ -87,6 +93,12 @@ class LLMEngine:
         self._arrival = itertools.count()
         self.warmed_up = False
         self.warmup_summary: dict[str, Any] = {}
+
+    def _prefix_root(self) -> BlockHash:
+        """Start of every block key: the model identity (as P/D compares it) and the dtype."""
+        cfg = self.config
+        identity = model_identity(cfg.model, cfg.load_format, cfg.seed, self.hf_config.to_dict())
+        return root_hash(identity, str(cfg.dtype))
 
     # ---- lifecycle -----------------------------------------------------------------------
     def warmup(self) -> dict:
@@ -123,12 +135,15 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               first_token: int, params: SamplingParams | None,
-                              kv_blocks: Any, first_logprob: float | None = None) -> None:
+                              kv_blocks: Any, first_logprob: float | None = None, *,
+                              cached_tokens: int = 0) -> None:
         """A sequence whose prompt ran elsewhere: `kv_blocks` holds the prompt's KV (host tensor
         [n, 2, layers, block, heads, dim], atom.disagg.kv_blocks) and `first_token` was sampled
         from it. The first token is reported at once; decoding continues from it. kv_blocks may
-        be None only when the first token already ends the request."""
+        be None only when the first token already ends the request. cached_tokens: prompt
+        tokens the prefill instance found in its prefix cache (reported, not looked up here)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.num_cached_tokens = cached_tokens
         if not 0 <= first_token < self.hf_config.vocab_size:
             raise ValueError(f"first token id {first_token} is outside the vocabulary")
         seq.token_ids.append(first_token)
@@ -215,6 +230,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=num_tokens - seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -243,10 +259,14 @@ class LLMEngine:
         """Queue the step's forward and sampling; placeholders for the sequences that go on."""
         self._place_pulled_kv(sched.seqs)
         before = self._launched.tokens if self._launched is not None else None
-        logits, to_sample = self.runner.execute_model(sched.seqs, sched.is_prefill, before)
+        batch = StepBatch.of(sched.seqs, sched.is_prefill)
+        logits, sampled = self.runner.execute_model(batch, before)
+        to_sample = [sched.seqs[i] for i in sampled]
         for seq in sched.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            # Launched: any later step reads these blocks after this one wrote them.
+            self.block_manager.cache_blocks(seq)
         if not to_sample:
             return None
         host_tokens = self._copier.next_tokens(len(to_sample))
@@ -288,11 +308,12 @@ class LLMEngine:
 
     # ---- disaggregation ------------------------------------------------------------------------
     def _hold_prompt_blocks(self, seq: Sequence) -> None:
-        """Move the prompt's blocks into kv_holds; the rest of the table is freed as usual."""
+        """kv_holds takes its own reference to the prompt's blocks (in use, so never evicted;
+        they may be cached blocks other sequences share); the sequence frees its own as usual."""
         n = self.block_manager.blocks_needed(seq.num_prompt_tokens)
-        held, rest = seq.block_table[:n], seq.block_table[n:]
+        held = seq.block_table[:n]
         if self.kv_holds.hold(seq.request_id, held, seq.num_prompt_tokens):
-            seq.block_table = rest
+            self.block_manager.acquire(held)
         else:
             logger.warning("KV handle %s is already held; freeing these blocks", seq.request_id)
 
@@ -319,9 +340,25 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_held": self.kv_holds.num_blocks_held,
+            **self.prefix_cache_stats(),
         }
         out.update(counters.snapshot())
         return out
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        st = bm.stats
+        return {
+            "prefix_caching": bm.enable_prefix_caching,
+            "prefix_cache_queries": st.queries,
+            "prefix_cache_hits": st.hits,
+            "prefix_cache_requests": st.requests,
+            "prefix_cache_requests_hit": st.requests_hit,
+            "prefix_cache_hit_rate": round(st.hit_rate, 4),
+            "prefix_cache_evicted_blocks": st.evicted_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_blocks_cached_idle": len(bm.evictable),
+        }
 
     # ---- convenience ---------------------------------------------------------------------
     def generate(self, prompts_token_ids: list[list[int]],

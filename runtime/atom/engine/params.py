@@ -45,3 +45,5 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_prompt_tokens: int
     num_output_tokens: int
+    # Prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0

@@ -5,6 +5,9 @@ When a running sequence cannot get a block, the latest-arrived running sequence 
 preempted by recompute: its blocks are freed and it goes back to the front of the waiting
 queue with its tokens (prompt + outputs so far), to be prefilled again later. No request
 is dropped; greedy output is unchanged because the recomputed cache is the same.
+
+Prefix caching (BlockManager.match_prefix): a sequence with nothing computed starts with the
+cached blocks of its leading full blocks and prefills only the rest (at least its last token).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.bm.cache_blocks(seq)  # with prefix caching the recompute may find them again
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.num_scheduled_tokens = 0
@@ -95,14 +99,27 @@ class Scheduler:
         # Then new (or preempted) prompts, while budget, sequence slots and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            # A sequence with nothing computed (new or preempted) starts from its cached
+            # prefix; a pulled one (kv_payload) already has its prompt computed elsewhere.
+            fresh = seq.num_computed_tokens == 0 and not seq.block_table
+            hit = self.bm.match_prefix(seq) if fresh else []
+            start = len(hit) * self.bm.block_size if fresh else seq.num_computed_tokens
+            remaining = seq.num_tokens - start
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.bm.can_grow(seq, seq.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
-            self.bm.grow(seq, seq.num_computed_tokens + n)
+            if fresh:
+                if not self.bm.can_admit(seq, hit, start + n):
+                    break
+                self.waiting.popleft()
+                self.bm.admit(seq, hit, start + n)
+                if seq.num_cached_tokens is None:  # the request's first admission
+                    self.bm.record_lookup(seq, start)
+            else:
+                if not self.bm.can_grow(seq, start + n):
+                    break
+                self.waiting.popleft()
+                self.bm.grow(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled_tokens = n
             self.running.append(seq)
@@ -121,6 +138,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self.bm.cache_blocks(seq)  # e.g. a block filled by its last decode steps
         self.bm.free(seq)
 
     def find(self, request_id: str) -> Sequence | None:

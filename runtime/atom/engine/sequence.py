@@ -6,11 +6,11 @@ import enum
 
 import torch
 
+from atom.engine.batch import PENDING_TOKEN
 from atom.engine.params import SamplingParams
+from atom.engine.prefix_cache import BlockHash
 
-# Stands in token_ids for a token sampled by a step whose result the host has not read yet
-# (asynchronous scheduling): the next step reads the real id on the device (`pending_src`).
-PENDING_TOKEN = -1
+__all__ = ["PENDING_TOKEN", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +48,18 @@ class Sequence:
         self.kv_payload: torch.Tensor | None = None
         # Row of the launched step's sampled tokens that holds this sequence's PENDING_TOKEN.
         self.pending_src: int | None = None
+        # Prefix caching (atom.engine.block_manager): keys of the leading full blocks whose
+        # tokens are known, how many of block_table's blocks were registered, and the prompt
+        # tokens found cached at the first admission (None until then).
+        self.block_hashes: list[BlockHash] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
+        # Extra key bytes of every block (prefix_cache.BlockKeyExtra): a LoRA adapter's id or a
+        # tenant's cache salt; multimodal inputs would add their hashes per block.
+        self.cache_salt = b""
+
+    def block_extra_key(self, index: int) -> bytes:
+        return self.cache_salt
 
     @property
     def num_tokens(self) -> int:

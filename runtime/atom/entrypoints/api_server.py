@@ -25,6 +25,7 @@ from aiohttp import web
 
 from atom.entrypoints.core.client import EngineDead
 from atom.entrypoints.server import ServerState, create_app
+from atom.wire.body import RUNNER_KWARGS
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ async def serve(
         shutdown_timeout=HANDLER_FINISH_S,
         access_log=None,
         keepalive_timeout=keepalive_timeout,
+        **RUNNER_KWARGS,  # aiohttp's own inflating off: atom.wire.body bounds what inflates
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    site = web.TCPSite(runner, host, port, backlog=2048, reuse_port=reuse_port or None)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port  # the real port when --port 0
     logger.info("listening on http://%s:%s", host, bound)

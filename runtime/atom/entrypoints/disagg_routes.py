@@ -42,19 +42,28 @@ class KVView:
     port: int | None
     advertise_host: str | None
     hold_seconds: float
+    max_held_fraction: float = 0.5
 
     @classmethod
     def from_info(cls, info: KVInfo) -> KVView:
         layout = KVLayout.from_dict(info.layout) if info.layout else None
-        return cls(layout, info.port, info.advertise_host, info.hold_seconds)
+        return cls(
+            layout, info.port, info.advertise_host, info.hold_seconds, info.max_held_fraction
+        )
 
     @property
     def serves(self) -> bool:
         return self.port is not None
 
     def make_handle(
-        self, request_id: str, prompt_ids: list[int], first_token: int, logprob: float | None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        logprob: float | None,
+        secret: str | None,
     ) -> KVHandle:
+        """secret: the per-transfer secret the core made (its key never leaves the core)."""
         assert self.layout is not None and self.port is not None
         return KVHandle(
             handle=request_id,
@@ -67,6 +76,7 @@ class KVView:
             first_token_id=first_token,
             first_logprob=logprob,
             expires_in=self.hold_seconds,
+            secret=secret or "",
         )
 
     def describe(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +88,8 @@ class KVView:
             "holds": int(stats.get("kv_holds", 0) or 0),
             "blocks_held": int(stats.get("kv_blocks_held", 0) or 0),
             "holds_expired": int(stats.get("kv_holds_expired", 0) or 0),
+            "max_held_fraction": self.max_held_fraction,
+            "hold_cap_refused": int(stats.get("kv_hold_cap_refused", 0) or 0),
         }
 
 
@@ -107,13 +119,19 @@ async def serve_prefill(
     gen = generate(
         state.engine, state.tokenizer, state.metrics, req, request_id, outcome, hold_kv=True
     )
-    async with aclosing(gen):
-        deltas = [d async for d in gen]
+    try:  # the hold cap is the core's: a refusal comes back as 503 kv_hold_cap
+        async with aclosing(gen):
+            deltas = [d async for d in gen]
+    except BaseException:  # the router left (or the engine failed): nobody will pull
+        state.engine.drop_hold(request_id)
+        raise
     first = next((d for d in deltas if d.token_ids), None)
     if first is None:  # aborted before sampling (shutting down): nothing is held
         raise APIError(503, "the prefill produced no token", code=codes.ENGINE_UNAVAILABLE)
     logprob = first.logprobs[0] if first.logprobs else None
-    handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob)
+    secret = next((d.kv_secret for d in reversed(deltas) if d.kv_secret), None)
+    handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob, secret)
+    handle.cached_tokens = deltas[-1].cached_tokens
     body = OpenAIFormatter(state.tokenizer, request_id, req, chat).full(deltas)
     body["kv_transfer"] = handle.to_dict()
     return web.Response(body=dumps(body), content_type="application/json")
@@ -151,6 +169,7 @@ def decode_options(state: ServerState, req: GenerationRequest, kv: Any) -> dict[
     opts: dict[str, Any] = {
         "first_token": handle.first_token_id,
         "first_logprob": handle.first_logprob,
+        "cached_tokens": handle.cached_tokens,
     }
     if ends_at_first_token(engine_params(req, state.tokenizer), handle.first_token_id):
         state.engine.release_kv(handle)  # nothing left to decode: the blocks are not needed

@@ -31,6 +31,8 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_secret: str | None = None  # a finished hold_kv request: its handle's secret (core-made)
 
 
 @dataclass
@@ -91,7 +93,8 @@ async def generate(
     outcome: Outcome,
     **opts: object,
 ) -> AsyncIterator[Delta]:
-    """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull) for P/D roles."""
+    """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
+    for P/D roles."""
     params = engine_params(req, tokenizer)
     stream = submit(engine, req, request_id, params, **opts)
     detok = IncrementalDetokenizer(tokenizer)
@@ -141,6 +144,8 @@ async def generate(
                 finish_reason=finish_reason,
                 prompt_tokens=out.num_prompt_tokens or len(req.prompt_ids),
                 completion_tokens=completion_tokens,
+                cached_tokens=out.num_cached_tokens,
+                kv_secret=out.kv_secret,
             )
         metrics.generation_tokens.inc(completion_tokens)
         metrics.e2e.observe(time.monotonic() - stream.arrival)

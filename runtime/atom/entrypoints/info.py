@@ -26,11 +26,29 @@ def config_info(config: Any) -> dict[str, Any]:
         "buckets": list(config.capture_sizes or []),
         "enforce_eager": bool(config.enforce_eager),
         "async_scheduling": bool(getattr(config, "async_scheduling", True)),
+        "enable_prefix_caching": bool(getattr(config, "enable_prefix_caching", True)),
         "device": config.device,
         "dtype": config.dtype,
         "max_num_seqs": config.max_num_seqs,
         "cache_dir": local or cc.cache_dir,
         "cache_key": cache_key(local),
+    }
+
+
+def prefix_cache_info(stats: dict[str, Any]) -> dict[str, Any]:
+    """/status: whether prefix caching is on and its hit rate (prompt tokens found cached over
+    prompt tokens looked up, since start), from LLMEngine.stats()."""
+    queries = int(stats.get("prefix_cache_queries", 0) or 0)
+    hits = int(stats.get("prefix_cache_hits", 0) or 0)
+    return {
+        "enabled": bool(stats.get("prefix_caching", False)),
+        "hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "queried_tokens": queries,
+        "hit_tokens": hits,
+        "requests": int(stats.get("prefix_cache_requests", 0) or 0),
+        "requests_hit": int(stats.get("prefix_cache_requests_hit", 0) or 0),
+        "cached_blocks": int(stats.get("kv_blocks_cached", 0) or 0),
+        "evicted_blocks": int(stats.get("prefix_cache_evicted_blocks", 0) or 0),
     }
 
 

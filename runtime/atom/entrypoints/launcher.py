@@ -33,11 +33,12 @@ def kv_settings(args: Any) -> KVSettings:
     if port is None and args.role == "prefill":
         port = DEFAULT_KV_PORT
     return KVSettings(
-        host=args.host,
+        host=args.kv_host or args.host,  # the operator renders --kv-host $(POD_IP)
         port=port,
         advertise_host=args.kv_host or os.environ.get("ATOM_KV_HOST") or None,
         hold_seconds=args.kv_hold_seconds,
         pull_timeout=args.kv_pull_timeout,
+        max_held_fraction=args.max_held_kv_fraction,
     )
 
 

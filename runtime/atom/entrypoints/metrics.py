@@ -45,6 +45,24 @@ ENGINE_GAUGES = {
     "kv_blocks_used": ("atom_kv_blocks_used", "Paged KV cache blocks in use"),
     "kv_blocks_total": ("atom_kv_blocks_total", "Paged KV cache blocks in total"),
     "num_preemptions": ("atom_num_preemptions", "Sequences preempted (recomputed) so far"),
+    "kv_blocks_cached": (
+        "atom_kv_blocks_cached",
+        "KV blocks with a prefix-cache key (in use or kept for reuse)",
+    ),
+    "kv_blocks_cached_idle": (
+        "atom_kv_blocks_cached_idle",
+        "Cached KV blocks no sequence uses (evicted LRU when the pool needs them)",
+    ),
+}
+
+# engine.stats() keys exported as counters (atom_<name>_total): prefix caching, in prompt tokens
+# and requests, counted once per request at its first admission.
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "prefix_cache_hits": "Prompt tokens whose KV came from the prefix cache",
+    "prefix_cache_requests": "Requests looked up in the prefix cache",
+    "prefix_cache_requests_hit": "Requests with at least one cached block",
+    "prefix_cache_evicted_blocks": "Cached KV blocks evicted to make room",
 }
 
 # atom.utils.counters names (docs/architecture.md): exported even before they first move.
@@ -128,6 +146,12 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+        self.responses = Counter(
+            "atom_http_responses",
+            "HTTP responses by status code (every route, errors included)",
+            ["status"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "atom_prompt_tokens", "Prompt tokens of admitted requests", registry=self.registry
         )
@@ -175,6 +199,8 @@ class _EngineCollector(Collector):
         stats = self._stats()
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
+        for key, doc in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"atom_{key}", doc, value=float(stats.get(key, 0) or 0))
         # Compile and graph counters: atom_<name>_total, e.g. atom_graph_replays_total.
         merged: dict[str, int] = dict.fromkeys(DOCUMENTED_COUNTERS, 0)  # always present, even at 0
         for source in (stats.get("counters"), self._counters()):

@@ -65,11 +65,12 @@ class OpenAIFormatter:
         self.created = int(time.time())
         self._object = "chat.completion.chunk" if chat else "text_completion"
 
-    def _usage(self, d: Delta) -> dict[str, int]:
+    def _usage(self, d: Delta) -> dict[str, Any]:
         return {
             "prompt_tokens": d.prompt_tokens,
             "completion_tokens": d.completion_tokens,
             "total_tokens": d.prompt_tokens + d.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
         }
 
     def _logprobs(

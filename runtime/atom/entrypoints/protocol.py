@@ -2,13 +2,16 @@
 
 Validation is pydantic with strict scalar types (a string where a number belongs is refused, not
 coerced); every failure becomes an APIError naming the offending field as `param`. Fields of the
-OpenAI API that the engine cannot honour (n > 1, echo, penalties, top alternatives) are refused
-with a message rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
+OpenAI API that the engine cannot honour (n > 1, echo, penalties, top alternatives, tools,
+response_format, logit_bias, best_of) are refused with a 400 naming the field rather than
+silently ignored; unknown extra fields are ignored, as OpenAI does. Every number is bounded to
+what the engine can represent (seed: int64, as torch.Generator takes; top_k: clamped to the
+vocabulary, as vLLM does), and sizes (prompt tokens, messages, stop lists) are checked on the
+raw body before anything costs time.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,6 +28,31 @@ from pydantic import (
 from atom.entrypoints.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256  # scanned for every generated token
+MAX_MESSAGES = 2048
+# No tokenizer we load has a token longer than this many characters, so a text longer than
+# max_model_len * this cannot fit and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_default(value: Any, *defaults: Any) -> bool:
+    return value is None or any(value == d and type(value) is type(d) for d in defaults)
+
+
+# OpenAI fields the engine does not implement: refused unless absent or at their no-op value.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "audio": (),
+    "prediction": (),
+}
 
 
 class StreamOptions(BaseModel):
@@ -92,16 +120,78 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
+def precheck(body: dict[str, Any], max_model_len: int, chat: bool) -> None:
+    """Sizes and unsupported fields, on the raw body: before pydantic walks a 5-million-entry
+    list or the tokenizer reads 30 MB of text."""
+    for name, defaults in UNSUPPORTED_FIELDS.items():
+        if not _is_default(body.get(name), *defaults):
+            raise bad_request(f"{name} is not supported by this server", param=name)
+    if body.get("stream_options") is not None and body.get("stream") is not True:
         raise bad_request(
-            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+            "stream_options is only allowed when stream is true", param="stream_options"
         )
-    return body
+    stop_ids = body.get("stop_token_ids")
+    if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}",
+            param="stop_token_ids",
+        )
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    for s in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+        if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS:
+            raise bad_request(
+                f"stop strings are at most {MAX_STOP_STRING_CHARS} characters", param="stop"
+            )
+    if not max_model_len:
+        return
+    if chat:
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+            raise bad_request(
+                f"at most {MAX_MESSAGES} messages, got {len(messages)}", param="messages"
+            )
+        chars = sum(_text_chars(m) for m in messages) if isinstance(messages, list) else 0
+        _check_chars(chars, max_model_len, "messages")
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if len(prompt) >= max_model_len:
+            _too_long(len(prompt), max_model_len, "prompt")
+    elif isinstance(prompt, str):
+        _check_chars(len(prompt), max_model_len, "prompt")
+    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        _check_chars(len(prompt[0]), max_model_len, "prompt")
+
+
+def _text_chars(message: Any) -> int:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
+                   and isinstance(p.get("text"), str))  # fmt: skip
+    return 0
+
+
+def _check_chars(chars: int, max_model_len: int, param: str) -> None:
+    if chars > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {chars} characters, more than {max_model_len} tokens can hold.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _too_long(prompt_len: int, max_model_len: int, param: str) -> None:
+    raise bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+        f"{prompt_len} tokens, which leaves no room for a completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -136,7 +226,7 @@ def _unsupported(body: _Common) -> None:
             raise bad_request(f"{name} is not supported (only 0)", param=name)
 
 
-def _sampling(body: _Common) -> dict[str, Any]:
+def _sampling(body: _Common, vocab_size: int = 0) -> dict[str, Any]:
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     if not 0.0 <= temperature <= 2.0:
         raise bad_request(
@@ -148,6 +238,22 @@ def _sampling(body: _Common) -> dict[str, Any]:
     top_k = -1 if body.top_k is None else body.top_k
     if top_k == 0 or top_k < -1:
         raise bad_request(f"top_k must be -1 (disabled) or at least 1, got {top_k}", param="top_k")
+    if top_k > INT64_MAX:
+        raise bad_request(f"top_k must be below 2**63, got {top_k}", param="top_k")
+    if vocab_size and top_k >= vocab_size:  # every token is a candidate: same as disabled (vLLM)
+        top_k = -1
+    if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX:
+        raise bad_request(
+            f"seed must fit in a signed 64-bit integer [-2**63, 2**63), got {body.seed}",
+            param="seed",
+        )
+    stop_ids = list(body.stop_token_ids or [])
+    bound = vocab_size or INT64_MAX + 1
+    bad = [i for i in stop_ids if not 0 <= i < bound]
+    if bad:
+        raise bad_request(
+            f"stop_token_ids must be in [0, {bound}), got {bad[:5]}", param="stop_token_ids"
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
@@ -157,6 +263,7 @@ def _sampling(body: _Common) -> dict[str, Any]:
         "top_k": top_k,
         "seed": body.seed,
         "stop": [s for s in stop if s],
+        "stop_token_ids": stop_ids,
     }
 
 
@@ -172,12 +279,7 @@ def resolve_max_tokens(
     if prompt_len == 0:
         raise bad_request("the prompt is empty", param=prompt_param)
     if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-            f"{prompt_len} tokens, which leaves no room for a completion.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+        _too_long(prompt_len, max_model_len, prompt_param)
     room = max_model_len - prompt_len
     if requested is None:
         return room if default is None else min(default, room)
@@ -196,6 +298,7 @@ def resolve_max_tokens(
 def completion_request(
     body: dict[str, Any], tokenizer: Any, served: str, max_model_len: int, vocab_size: int
 ) -> GenerationRequest:
+    precheck(body, max_model_len, chat=False)
     req: CompletionBody = validate(CompletionBody, body)
     check_model_name(req.model, served)
     _unsupported(req)
@@ -230,12 +333,14 @@ def completion_request(
         max_model_len=max_model_len,
         prompt_param="prompt",
         logprobs=req.logprobs is not None,
+        vocab_size=vocab_size,
     )
 
 
 def chat_request(
-    body: dict[str, Any], tokenizer: Any, served: str, max_model_len: int
+    body: dict[str, Any], tokenizer: Any, served: str, max_model_len: int, vocab_size: int = 0
 ) -> GenerationRequest:
+    precheck(body, max_model_len, chat=True)
     req: ChatBody = validate(ChatBody, body)
     check_model_name(req.model, served)
     _unsupported(req)
@@ -262,6 +367,7 @@ def chat_request(
         max_model_len=max_model_len,
         prompt_param="messages",
         logprobs=req.logprobs,
+        vocab_size=vocab_size,
     )
 
 
@@ -272,8 +378,9 @@ def _build(
     max_model_len: int,
     prompt_param: str,
     logprobs: bool,
+    vocab_size: int = 0,
 ) -> GenerationRequest:
-    sampling = _sampling(req)
+    sampling = _sampling(req, vocab_size)
     max_tokens = resolve_max_tokens(
         req.max_tokens, default_max, len(prompt_ids), max_model_len, "max_tokens", prompt_param
     )
@@ -281,7 +388,6 @@ def _build(
         model=req.model,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         stream=req.stream,

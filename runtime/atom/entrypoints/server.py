@@ -12,6 +12,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,17 +29,17 @@ from atom.entrypoints.disagg_routes import (
 )
 from atom.entrypoints.errors import APIError
 from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
+from atom.entrypoints.info import prefix_cache_info
+from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
 from atom.entrypoints.openai_format import DONE, OpenAIFormatter, dumps, sse
-from atom.entrypoints.protocol import (
-    GenerationRequest,
-    chat_request,
-    completion_request,
-    parse_json,
-)
+from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
 from atom.tokenizer import BaseTokenizer
 from atom.wire import errors as codes
+from atom.wire.body import parse_object, read_body
 from atom.wire.kv_modes import KVMode, parse_mode
+from atom.wire.middleware import json_errors
+from atom.wire.trust import is_internal
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ STATE_KEY = web.AppKey("atom_state", ServerState)
 
 def create_app(state: ServerState) -> web.Application:
     app = web.Application(
-        client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware, api_key_middleware]
+        client_max_size=MAX_BODY_BYTES, middlewares=[json_errors(_count), api_key_middleware]
     )
     app[STATE_KEY] = state
     app.router.add_get("/health", health)
@@ -103,26 +104,23 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
+    # The hold registry and the secrets' key are the core's: the route asks it.
+    app.router.add_post(RELEASE_PATH, release_handler(_hold_release))
     return app
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except APIError as exc:
-        if exc.status in (429, 503):
-            request.app[STATE_KEY].metrics.rejected.labels(status=str(exc.status)).inc()
-        resp = exc.response()
-        if exc.status == 408:  # the body never came: do not wait on this connection again
-            resp.force_close()
-        return resp
-    except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(413, exc.text or "request body too large").response()
-    except web.HTTPException as exc:  # 404/405 from routing, in the OpenAI shape
-        if exc.status >= 400:
-            return APIError(exc.status, exc.reason, code=str(exc.status)).response()
-        raise
+def _hold_release(request: web.Request) -> Callable[[str, str], Awaitable[bool]] | None:
+    state = request.app[STATE_KEY]
+    if state.kv is None or not state.kv.serves:
+        return None
+    return state.engine.release_hold
+
+
+def _count(request: web.Request, status: int) -> None:
+    metrics = request.app[STATE_KEY].metrics
+    metrics.responses.labels(status=str(status)).inc()
+    if status in (429, 503) and request.method == "POST":
+        metrics.rejected.labels(status=str(status)).inc()
 
 
 @web.middleware
@@ -209,6 +207,7 @@ async def status(request: web.Request) -> web.Response:
         "captured_buckets": captured_buckets(summary),
         "warmup": summary,
         "stats": engine.last_stats,
+        "prefix_cache": prefix_cache_info(engine.last_stats),
         "counters": engine.last_stats.get("counters", {}),
         "in_flight": len(engine.streams),
         "steps": engine.steps,
@@ -236,15 +235,16 @@ def _admit(state: ServerState) -> None:
 
 
 async def _body(request: web.Request, timeout: float) -> dict[str, Any]:
+    """Size-bounded (inflated too) and parsed off-loop when large (atom.wire.body)."""
     try:
-        raw = await asyncio.wait_for(request.read(), timeout)
+        raw = await asyncio.wait_for(read_body(request, MAX_BODY_BYTES), timeout)
     except TimeoutError:
         raise APIError(
             408,
             f"the request body did not arrive within {timeout:g}s",
             code=codes.REQUEST_TIMEOUT,
         ) from None
-    return parse_json(raw)
+    return await parse_object(raw)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -287,11 +287,24 @@ async def _generate(
 ) -> web.StreamResponse:
     _admit(state)
     body = await _body(request, state.body_timeout)
+    if "kv_transfer" in body and not is_internal(request.headers):  # atom.wire.trust
+        raise APIError(
+            403,
+            "kv_transfer is only accepted from the router (X-Atom-Internal-Token)",
+            param="kv_transfer",
+            code=codes.KV_TRANSFER_FORBIDDEN,
+        )
     kv = body.get("kv_transfer")  # disaggregation (docs/architecture.md); absent: unified
     mode = parse_mode(kv.get("mode")) if isinstance(kv, dict) else None
     try:
         if chat:
-            req = chat_request(body, state.tokenizer, state.served_model_name, state.max_model_len)
+            req = chat_request(
+                body,
+                state.tokenizer,
+                state.served_model_name,
+                state.max_model_len,
+                state.vocab_size,
+            )
         else:
             req = completion_request(
                 body,

@@ -145,13 +145,13 @@ def paged_reference(b: PagedBatch, num_heads: int, scale: float,
     store, the Rope handed to the kernels or None). With positions, q and k are taken as
     unrotated and rotated (theta 10000) before the reference stores and attends."""
     from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
-    from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+    from atom.kernels.rotary import Rope, apply_rotary, rope_tables
 
     q, k, rope = b.q, b.k, None
     if positions is not None:
         dim = b.k_cache.shape[3]
-        table = RotaryEmbedding(dim, max_positions=max_positions, theta=10000.0)
-        rope = Rope(positions, table.cos_cache, table.sin_cache)
+        cos, sin = rope_tables(dim, max_positions=max_positions, theta=10000.0)
+        rope = Rope(positions, cos, sin)
         q = apply_rotary(q, positions, rope.cos, rope.sin, dim)
         k = apply_rotary(k, positions, rope.cos, rope.sin, dim)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from atom.kernels import tuning
 from atom.kernels.launch import programmatic_launch, zeroed_counters
-from atom.kernels.triton_norm_gemv import MAX_ROWS
-from atom.layers.rotary import Rope
+from atom.kernels.rotary import Rope
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _rope_row(pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
 def _rotate(x, partner, c, s, d, HALF: tl.constexpr):
     """x (element d of a head) rotated by (c, s), rotate-half layout: partner is element
     d + HALF (first half) or d - HALF (second half). In fp32, rounded once to x's dtype, as
-    atom.layers.rotary.apply_rotary does."""
+    atom.kernels.rotary.apply_rotary does."""
     xf, pf = x.to(tl.float32), partner.to(tl.float32)
     return tl.where(d < HALF, xf * c - pf * s, xf * c + pf * s).to(x.dtype)
 
@@ -158,10 +158,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_p
                    NUM_SPLITS: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
                    PRECISION: tl.constexpr, ROPE: tl.constexpr, STORE: tl.constexpr,
                    PDL: tl.constexpr):
-    """One program per (row, kv head, split): see _decode_program."""
+    """One program per (row, kv head, split): see decode_program."""
     if PDL:
         gdc_launch_dependents()  # an o_proj launched early may start as well
-    _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
+    decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr,
                     k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr, slot_ptr, part_o_ptr,
                     part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr, count_ptr, scale, stride_q,
                     stride_k, stride_v, stride_o, stride_bt, NUM_KV_HEADS, GROUP, BLOCK_H,
@@ -209,7 +209,7 @@ def _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     ctx_ptr, bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
                     cos_ptr, sin_ptr, done_ptr, scale, stride_q, stride_k, stride_v, stride_o,
                     stride_bt, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -389,16 +389,8 @@ def _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, acti
 # a short context in a wide table still uses them all, and the sequential loop of each program
 # stays short (batch 1 on a 1B model: 8 kv heads would otherwise leave 8 programs walking the
 # whole context).
-_TARGET_PROGRAMS = 512  # bench/decode_attention_sweep.py: more splits cost more than they hide
-_MAX_SPLITS = 128
-_DECODE_TILE_N = 64  # keys per loop step: 4 cache blocks of 16
+# (The split targets, the key tile and DECODE_PDL are in atom.kernels.tuning.)
 _COMBINE_CHUNK = 8  # splits' partials read per step of the combine
-# Programmatic dependent launch of the decode attention (sm_90 on) where the caller allows it
-# (overlap=True): the launch starts while the kernel before it (the qkv projection) runs,
-# which releases it as its programs start (the GEMV kernel up to its MAX_ROWS; cuBLAS above
-# that does not), reads the step's metadata and its first key tile, and waits for that
-# kernel only before it reads q, k and v. False: an ordinary launch.
-DECODE_PDL = True
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -429,9 +421,9 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def decode_num_splits(rows: int, num_kv_heads: int, table_tiles: int) -> int:
     """Splits per row: from static sizes only (padded rows, heads, key tiles of the table)."""
     programs = rows * num_kv_heads
-    if programs >= _TARGET_PROGRAMS:
+    if programs >= tuning.DECODE_TARGET_PROGRAMS:
         return 1
-    return max(1, min(_MAX_SPLITS, table_tiles, triton.cdiv(_TARGET_PROGRAMS, programs)))
+    return max(1, min(tuning.DECODE_MAX_SPLITS, table_tiles, triton.cdiv(tuning.DECODE_TARGET_PROGRAMS, programs)))
 
 
 class StepKV(NamedTuple):
@@ -474,7 +466,7 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert new_kv is None or q_len == 1
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    tiles = triton.cdiv(block_tables.shape[1] * block_size, _DECODE_TILE_N)
+    tiles = triton.cdiv(block_tables.shape[1] * block_size, tuning.DECODE_TILE_N)
     splits = min(num_splits or decode_num_splits(rows, num_kv_heads, tiles), tiles)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
@@ -494,10 +486,10 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             part_o, part_ml, counters, *_rope_args(rope, q),
             scale, q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0),
             block_tables.stride(0))
-    pdl = overlap and DECODE_PDL and rows <= MAX_ROWS and programmatic_launch(q.device)
+    pdl = overlap and tuning.DECODE_PDL and rows <= tuning.GEMV_MAX_ROWS and programmatic_launch(q.device)
     constants = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, group_p2), GROUP_P2=group_p2,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_DECODE_TILE_N,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tuning.DECODE_TILE_N,
         Q_LEN=q_len, NUM_SPLITS=splits, COMBINE_CHUNK=_COMBINE_CHUNK,
         PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None,
         PDL=pdl, launch_pdl=pdl)
@@ -515,7 +507,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rope: q (and new_kv's keys) are unrotated; the kernel rotates them. new_kv: this step's keys
     and values, written into the cache first (by the decode kernel itself when q_len is 1, by
     the KV-store kernel before it otherwise: later rows of a sequence read earlier rows' keys).
-    overlap: the launch may start before the previous kernel on the stream ends (DECODE_PDL);
+    overlap: the launch may start before the previous kernel on the stream ends (tuning.DECODE_PDL);
     allowed only when that kernel writes none of the cache, the metadata or the rotary tables
     (the engine's forward: it produced q, k and v).
     """

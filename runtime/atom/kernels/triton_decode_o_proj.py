@@ -21,22 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.triton_attention import StepKV, _decode_program, decode_launch
-from atom.kernels.triton_norm_gemv import _row_strip, row_strip_rows
-from atom.layers.rotary import Rope
+from atom.kernels import tuning
+from atom.kernels.rotary import Rope
+from atom.kernels.triton_attention import StepKV, decode_launch, decode_program
+from atom.kernels.triton_norm_gemv import row_strip, row_strip_rows
 
-# Rows the fused launch takes: batch-1 decode. With 2 to 4 rows (a loop over them after the
-# wait) it was slower than two launches (bench/RESULTS.md).
-ROWS = 1
-# Weight bytes a program holds in registers while it waits (16 rows of 2048 in bf16: 128
-# programs hold all of Llama-3.2-1B's o_proj), and warps a program: 154 registers a thread,
-# one program per SM (tests/runtime/test_decode_o_proj_triton.py). On the H200 this beat 8 rows
-# (two or three programs per SM), 32 rows at 16 warps, and a 128-register cap (spills):
-# bench/RESULTS.md.
-STRIP_BYTES = 64 * 1024
-NUM_WARPS = 8
-# False: the projection programs load their weights after the wait (bench/profile_decode.py).
-PRELOAD_WEIGHTS = True
+# Rows, strip size, warps and the preload switch are in atom.kernels.tuning (FUSED_O_PROJ_*).
 
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
@@ -77,7 +67,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
     pairs = n_attn // NUM_SPLITS
     if ticket < n_attn:
         pair = ticket % pairs
-        _decode_program(pair // NUM_KV_HEADS, pair % NUM_KV_HEADS, ticket // pairs, q_ptr,
+        decode_program(pair // NUM_KV_HEADS, pair % NUM_KV_HEADS, ticket // pairs, q_ptr,
                         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr, bt_ptr,
                         slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr, cos_ptr, sin_ptr,
                         done_ptr, scale, stride_q, stride_k, stride_v, stride_o, stride_bt,
@@ -86,7 +76,7 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                         PDL)
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
-        _row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
+        row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
                    1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
                    PRELOAD, PDL, True)
         n_proj = tl.num_programs(0) - n_attn
@@ -110,7 +100,7 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     overlap: as for decode_attention_triton (the projection programs read only o_weight before
     the wait)."""
     rows = q.shape[0]
-    assert rows == ROWS, f"{rows} rows: the fused o_proj launch takes {ROWS}"
+    assert rows == tuning.FUSED_O_PROJ_ROWS, f"{rows} rows: the fused o_proj launch takes {tuning.FUSED_O_PROJ_ROWS}"
     n, k = o_weight.shape
     assert out.shape[1] == k and proj_out.shape == (rows, n)
     assert o_weight.stride(-1) == 1 and proj_out.stride(-1) == 1
@@ -118,11 +108,11 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     launch = decode_launch(q, k_cache, v_cache, out, context_lens, block_tables, scale,
                            num_heads, 1, num_splits, rope, new_kv, overlap)
     block_k = triton.next_power_of_2(k)
-    block_n = max(1, row_strip_rows(k, o_weight.element_size(), STRIP_BYTES))
+    block_n = max(1, row_strip_rows(k, o_weight.element_size(), tuning.FUSED_O_PROJ_STRIP_BYTES))
     n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
     res = residual if residual is not None else proj_out
     _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
         _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
         HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, PRELOAD=PRELOAD_WEIGHTS, num_warps=NUM_WARPS)
+        BLOCK_K=block_k, LINE=_LINE, PRELOAD=tuning.FUSED_O_PROJ_PRELOAD, num_warps=tuning.FUSED_O_PROJ_WARPS)

@@ -14,7 +14,7 @@ activation rows (L2-resident) alongside.
 - The residual add is the epilogue of the projection before it (o_proj, down_proj), so the
   residual stream is written once per projection and never read back by a separate kernel.
 
-For more than MAX_ROWS rows (prefill, larger decode batches) `rows_path` runs a row-wise norm
+For more than tuning.GEMV_MAX_ROWS rows (prefill, larger decode batches) `rows_path` runs a row-wise norm
 kernel, cuBLAS, a SiLU-gate kernel and the add instead.
 """
 
@@ -28,36 +28,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from atom.kernels import tuning
 from atom.kernels.launch import programmatic_launch, sm_resources
 
-MAX_ROWS = 16  # above this the matmul is no longer a weight stream: cuBLAS does it better
-# Up to this many rows (decode batches) a projection that the kernel before it may overlap
-# (programmatic dependent launch, sm_90 on) runs the preloading kernel: each program holds its
-# strip of weight rows, ROW_STRIP_BYTES, in registers, loaded while that kernel still runs,
-# and reads the rows only after it ends. Taken where a strip of 16 whole rows fits (the
-# attention's qkv and o projections at hidden 2048 in bf16); bench/RESULTS.md, session 7.
-# 0: the tiled kernel below.
-ROW_GEMV_MAX_ROWS = 1
-ROW_STRIP_BYTES = 64 * 1024
-ROW_WARPS = 8
-# The tiled kernel is launched early too (waiting at its start): every projection up to
-# TILED_PDL_MAX_ROWS rows (one row: gate_up and down gain the launch's start-up); up to
-# ONE_WAVE_PDL_MAX_ROWS rows only a launch of at most one program per SM (gate_up then in
-# strips of 64 rows, 128 programs at FFN 8192), its programs spread one per SM by taking more
-# than half an SM's shared memory. An early launch's programs are placed while the kernel
-# before it still runs: a 2-per-SM kernel placed then packs onto half the SMs, and a launch of
-# several waves loses its start-up gain (bench/RESULTS.md, session 8).
-TILED_PDL_MAX_ROWS = 1
-ONE_WAVE_PDL_MAX_ROWS = MAX_ROWS
-# A one-wave early launch (2 to ONE_WAVE_PDL_MAX_ROWS rows) of a plain projection with K of at
-# least this many loads its first K step's weight tile before its wait: down_proj, 8 to 10 us
-# a step faster at 8 rows. At one row it gained nothing, and on qkv and o_proj, or on gate_up,
-# it lost (bench/RESULTS.md, sessions 10 and 12).
-TILED_PRELOAD_MIN_K = 4096
-# A one-wave early launch whose strips leave SMs idle takes fewer rows a program (a multiple of
-# 8, under BLOCK_N, the rest of the tile masked) so that its programs cover more SMs: qkv at
-# 3072 rows in 128 strips of 24 instead of 96 of 32 (bench/RESULTS.md, session 12).
-EVEN_STRIPS = True
+# The row limit and the launch switches are in atom.kernels.tuning.
 
 
 @triton.jit
@@ -246,7 +220,7 @@ def _wait_for(count_ptr, target):
 
 
 @triton.jit
-def _row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, M, N, K,
+def row_strip(strip, x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, target, M, N, K,
                eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr,
@@ -307,10 +281,10 @@ def _row_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, M, N, K, eps, 
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program per strip of BLOCK_N weight rows, for up to BLOCK_M rows x
-    (ROW_GEMV_MAX_ROWS)."""
+    (tuning.ROW_GEMV_MAX_ROWS)."""
     if PDL:
         gdc_launch_dependents()  # the decode attention after it may start as well
-    _row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, M, N, K,
+    row_strip(tl.program_id(0), x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr, y_ptr, 0, M, N, K,
                eps, stride_x, stride_w, stride_r, stride_y, HAS_NORM, HAS_BIAS, HAS_RES,
                BLOCK_M, BLOCK_N, BLOCK_K, True, PDL, False)
 
@@ -365,8 +339,8 @@ SMEM_BUDGET = 200 * 1024  # of an H100/H200 SM's 227 KiB: the pipelined tiles, w
 class TiledPlan(NamedTuple):
     """How gemv launches the tiled kernel: programs of BLOCK_N weight rows, the K step, warps,
     pipeline stages, K slices, whether the launch starts early (waiting at its start),
-    whether it loads its first weight tile before that wait (TILED_PRELOAD_MIN_K), and the
-    weight rows a program takes (BLOCK_N, or fewer: EVEN_STRIPS)."""
+    whether it loads its first weight tile before that wait (tuning.TILED_PRELOAD_MIN_K), and the
+    weight rows a program takes (BLOCK_N, or fewer: tuning.EVEN_STRIPS)."""
 
     programs: int
     block_n: int
@@ -407,20 +381,20 @@ def tiled_plan(m: int, n: int, k: int, gated: bool, elem: int, overlap: bool, sm
     elem-byte values. overlap: the launch may start early (the caller allows it and the device
     can); sms, smem_per_sm: the device's (launch.sm_resources)."""
     block_m = max(16, triton.next_power_of_2(m))
-    one_wave_rows = TILED_PDL_MAX_ROWS < m <= ONE_WAVE_PDL_MAX_ROWS
+    one_wave_rows = tuning.TILED_PDL_MAX_ROWS < m <= tuning.ONE_WAVE_PDL_MAX_ROWS
     # gate_up in wide strips only where that makes it one wave (and so early).
     wide = (gated and overlap and one_wave_rows
             and triton.cdiv(n, _config(n, k, gated, block_m, elem, wide=True)[0]) <= sms)
     config = _config(n, k, gated, block_m, elem, wide=wide)
     programs = triton.cdiv(n, config[0])
     one_wave = programs <= sms
-    early = overlap and (m <= TILED_PDL_MAX_ROWS or (one_wave_rows and one_wave))
+    early = overlap and (m <= tuning.TILED_PDL_MAX_ROWS or (one_wave_rows and one_wave))
     if early and one_wave:
         config = _config(n, k, gated, block_m, elem, smem_per_sm // 2 + 1, wide)
     preload = (early and one_wave_rows and not gated and config[4] > 1
-               and k >= TILED_PRELOAD_MIN_K)
+               and k >= tuning.TILED_PRELOAD_MIN_K)
     strip = config[0]
-    if EVEN_STRIPS and early and one_wave_rows and one_wave:
+    if tuning.EVEN_STRIPS and early and one_wave_rows and one_wave:
         strip = min(strip, -(-triton.cdiv(n, sms) // 8) * 8)
         programs = triton.cdiv(n, strip)
     return TiledPlan(programs, *config, early, preload, strip)
@@ -430,9 +404,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
          overlap: bool = False) -> torch.Tensor:
-    """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= MAX_ROWS;
+    """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= tuning.GEMV_MAX_ROWS;
     written into out when given. overlap: the launch may start before the previous kernel on
-    the stream ends and read the parameters meanwhile (ROW_GEMV_MAX_ROWS): allowed only when
+    the stream ends and read the parameters meanwhile (tuning.ROW_GEMV_MAX_ROWS): allowed only when
     that kernel writes none of them (a model's forward)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -443,8 +417,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert residual is None or residual.stride(-1) == 1
     pdl = programmatic_launch(x.device)
-    if (overlap and pdl and m <= ROW_GEMV_MAX_ROWS and not gated
-            and row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES) == 16):
+    if (overlap and pdl and m <= tuning.ROW_GEMV_MAX_ROWS and not gated
+            and row_strip_rows(k, x.element_size(), tuning.ROW_STRIP_BYTES) == 16):
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
                         residual=residual, pdl=True)
     res = residual if residual is not None else y
@@ -466,20 +440,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
              *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The projection of up to MAX_ROWS rows into y by the preloading kernel
-    (ROW_GEMV_MAX_ROWS); pdl: launched early, the parameters read before the kernel before it
+    """The projection of up to tuning.GEMV_MAX_ROWS rows into y by the preloading kernel
+    (tuning.ROW_GEMV_MAX_ROWS); pdl: launched early, the parameters read before the kernel before it
     ends (gemv's overlap)."""
     m, (n, k) = x.shape[0], weight.shape
-    assert m <= MAX_ROWS and x.stride(-1) == 1 and y.stride(-1) == 1
-    rows = row_strip_rows(k, x.element_size(), ROW_STRIP_BYTES)
-    assert rows > 0, f"a weight row of {k} elements does not fit {ROW_STRIP_BYTES} bytes"
+    assert m <= tuning.GEMV_MAX_ROWS and x.stride(-1) == 1 and y.stride(-1) == 1
+    rows = row_strip_rows(k, x.element_size(), tuning.ROW_STRIP_BYTES)
+    assert rows > 0, f"a weight row of {k} elements does not fit {tuning.ROW_STRIP_BYTES} bytes"
     res = residual if residual is not None else y
     _row_gemv_kernel[(triton.cdiv(n, rows),)](
         x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, res, y, m, n, k, eps, x.stride(0), weight.stride(0),
         res.stride(0), y.stride(0), HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=rows,
-        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, launch_pdl=pdl, num_warps=ROW_WARPS)
+        BLOCK_K=triton.next_power_of_2(k), PDL=pdl, launch_pdl=pdl, num_warps=tuning.ROW_WARPS)
     return y
 
 

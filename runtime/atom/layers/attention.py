@@ -17,12 +17,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.cudagraph.region_graph import eager_region
+from atom.kernels import tuning
 from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
+from atom.kernels.rotary import Rope, apply_rotary
 from atom.layers.norm_linear import project
-from atom.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from atom.utils.custom_register import direct_register_custom_op
+from atom.layers.rotary import RotaryEmbedding
 from atom.utils.forward_context import AttentionMetaData, get_forward_context
-from atom.utils.region_graph import eager_region
 
 
 class Attention(nn.Module):
@@ -52,7 +54,7 @@ class Attention(nn.Module):
         (a Linear), the result is [residual +] o_proj(attention): at decode sizes on CUDA
         one launch does both. overlap: the kernel before (the producer of q, k and v) writes
         neither the cache, the step's metadata nor the parameters: the decode launch may start
-        while it ends (atom.kernels.triton_attention.DECODE_PDL)."""
+        while it ends (atom.kernels.tuning.DECODE_PDL)."""
         output = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
         cos, sin = (rotary.cos_cache, rotary.sin_cache) if rotary is not None else (None, None)
         if o_proj is None:
@@ -76,12 +78,7 @@ class OutputProjection(NamedTuple):
     out: torch.Tensor
 
 
-# False: the KV-store kernel runs before the decode kernel (bench/profile_decode.py compares).
-FUSED_DECODE_STORE = True
-
-
-# False: o_proj runs as its own kernel after the decode attention (bench/profile_decode.py).
-FUSED_DECODE_O_PROJ = True
+# FUSED_DECODE_STORE and FUSED_DECODE_O_PROJ (atom.kernels.tuning) choose the decode launches.
 
 
 def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -94,12 +91,12 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
         decode = meta.max_seqlen_q == 1 and meta.extra.get("decode", True)
         # Decode is one launch: rotary, the KV store and the split combine run in the kernel.
-        fused_store = decode and FUSED_DECODE_STORE
+        fused_store = decode and tuning.FUSED_DECODE_STORE
         if not fused_store:
             tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
         new_kv = tk.StepKV(k, v, meta.slot_mapping) if fused_store else None
-        if (fused_store and proj is not None and FUSED_DECODE_O_PROJ
-                and q.shape[0] == fused.ROWS):
+        if (fused_store and proj is not None and tuning.FUSED_DECODE_O_PROJ
+                and q.shape[0] == tuning.FUSED_O_PROJ_ROWS):
             fused.decode_attention_o_proj_triton(
                 q, layer.k_cache, layer.v_cache, output, meta.context_lens, meta.block_tables,
                 layer.scale, layer.num_heads, proj.weight, proj.bias, proj.residual, proj.out,

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.compilation.custom_ops import direct_register_custom_op
+from atom.kernels import tuning
 from atom.layers.rmsnorm import rms_norm
-from atom.utils.custom_register import direct_register_custom_op
 
 
 def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -43,7 +44,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if x.is_cuda:
         from atom.kernels import triton_norm_gemv as kernels
 
-        if x.shape[0] <= kernels.MAX_ROWS:
+        if x.shape[0] <= tuning.GEMV_MAX_ROWS:
             return kernels.gemv(x, weight, bias, out=out, overlap=overlap, **fused)
         return kernels.rows_path(x, weight, bias, out=out, **fused)
     result = reference_projection(x, weight, bias, **fused)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.utils.custom_register import direct_register_custom_op
+from atom.compilation.custom_ops import direct_register_custom_op
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,60 +1,18 @@
-"""Rotary position embeddings (neox/rotate-half layout, as Hugging Face Llama), with scaling.
+"""Rotary position embeddings as a module: the model's cos/sin tables as buffers.
 
-Supported rope_scaling types: default, linear, llama3 (Llama 3.1/3.2 frequency smoothing).
+The math (tables, `Rope`, `apply_rotary`) lives in atom.kernels.rotary, which the kernels
+use; it is re-exported here for the layers and existing callers.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch import nn
 
+from atom.kernels.rotary import Rope, apply_rotary, rope_inv_freq, rope_tables
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default" or scaling is None:
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling["low_freq_factor"])
-        high = float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
-class Rope(NamedTuple):
-    """Rotary embedding to apply to unrotated q and k: each row's position and the model's
-    cos/sin tables [max_positions, head_dim / 2] (fp32)."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                 sin_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rotate every head of a flat [T, n * head_dim] tensor to its row's position (rotate-half
-    layout): in fp32, rounded once to x's dtype. The Triton attention kernels do the same."""
-    t = x.shape[0]
-    x = x.reshape(t, -1, head_dim)
-    cos, sin = cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    xf1, xf2 = x1.float(), x2.float()
-    o1 = xf1 * cos - xf2 * sin
-    o2 = xf2 * cos + xf1 * sin
-    return torch.cat((o1, o2), dim=-1).to(x.dtype).view(t, -1)
+__all__ = ["Rope", "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "rope_tables"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -65,9 +23,7 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        cos, sin = rope_tables(head_dim, max_positions, theta, scaling)
         # Not persistent: rebuilt from the config, never loaded from a checkpoint.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from atom.compilation.decorators import support_torch_compile
+from atom.cudagraph.region_graph import token_graph
 from atom.layers.attention import Attention
 from atom.layers.linear import Linear, MergedLinear
 from atom.layers.norm_linear import linear_add, norm_linear, project
 from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 from atom.models.registry import ModelConfig
-from atom.utils.decorators import support_torch_compile
-from atom.utils.region_graph import token_graph
 
 
 def _max_positions(atom_config: Any, hf_config: ModelConfig) -> int:

@@ -1,8 +1,10 @@
 """Health probes: each instance's /health, on a loop and on demand (the router's own /health).
 
-200 puts an instance in rotation. Any other answer (503 while starting or draining) takes it
-out but leaves its requests running. No answer at all (refused, reset, or `dead_after` probe
-timeouts in a row) marks it dead: its requests in flight stop at once with a 503.
+200 puts an instance in rotation. Any other answer (503 while starting or `draining`), a
+refused or reset probe, or `out_after` probe timeouts in a row take it out of rotation: no new
+requests go there, and the ones in flight carry on (they end only if their own connection
+fails). "Busy" is told from "dead" by progress: an instance whose requests in flight sent bytes
+within `busy_window` seconds stays in rotation however slow its /health is.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from typing import Any
 
 import aiohttp
 
-from atom.router.pool import Instance, Pool
+from atom.router.pool import Instance, Pool, bounded
 
 logger = logging.getLogger(__name__)
 
 
 async def probe(
-    session: aiohttp.ClientSession, inst: Instance, timeout: float, dead_after: int = 3
+    session: aiohttp.ClientSession,
+    inst: Instance,
+    timeout: float,
+    out_after: int = 2,
+    busy_window: float = 10.0,
 ) -> dict[str, Any]:
     """Probe one instance, update its rotation state, return the /health entry for it."""
     status: int | None = None
@@ -40,17 +46,21 @@ async def probe(
             inst.failed(str(reason))
     except TimeoutError:
         inst.timeouts += 1
-        inst.failed(f"/health timed out ({inst.timeouts}x)", dead=inst.timeouts >= dead_after)
+        if inst.progressing(busy_window):
+            inst.busy()
+        elif inst.timeouts >= out_after:
+            inst.failed(f"/health timed out ({inst.timeouts}x in a row)", slow=True)
     except aiohttp.ClientError as exc:
-        inst.failed(f"unreachable: {exc.__class__.__name__}", dead=True)
+        inst.failed(f"/health unreachable: {bounded(exc.__class__.__name__)}")
     return {"url": inst.url, "healthy": bool(inst.healthy), "status": status, "reason": inst.reason}
 
 
 async def probe_pool(
-    session: aiohttp.ClientSession, pool: Pool, timeout: float
+    session: aiohttp.ClientSession, pool: Pool, timeout: float, **kw: Any
 ) -> list[dict[str, Any]]:
+    """kw: probe()'s out_after and busy_window."""
     insts = list(pool.instances.values())
-    return list(await asyncio.gather(*(probe(session, i, timeout) for i in insts)))
+    return list(await asyncio.gather(*(probe(session, i, timeout, **kw) for i in insts)))
 
 
 async def health_loop(
@@ -59,6 +69,7 @@ async def health_loop(
     interval: float,
     timeout: float,
     dns_interval: float,
+    **kw: Any,
 ) -> None:
     """Forever: re-resolve DNS names every dns_interval, probe every instance every interval."""
     next_dns = 0.0
@@ -68,7 +79,7 @@ async def health_loop(
                 for pool in pools:
                     await pool.resolve()
                 next_dns = time.monotonic() + dns_interval
-            await asyncio.gather(*(probe_pool(session, p, timeout) for p in pools))
+            await asyncio.gather(*(probe_pool(session, p, timeout, **kw) for p in pools))
         except Exception:  # never let the loop die: a router without probes would hang requests
             logger.exception("health loop pass failed")
         await asyncio.sleep(interval)

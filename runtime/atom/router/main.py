@@ -2,6 +2,7 @@
 
 Each instance is a URL (`http://10.0.0.5:8000`) or a DNS name with a port whose addresses are
 the instances (`demo-prefill-abc.ns.svc:8000`, a headless Service), re-resolved periodically.
+ATOM_INTERNAL_TOKEN must be set (the instances honour KV transfers only with it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from dataclasses import fields
 
 from aiohttp import web
 
+from atom.router.policy import RoutingPolicy
 from atom.router.proxy import RouterSettings, create_router_app
+from atom.wire.body import RUNNER_KWARGS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=30.0, help="seconds in-flight requests get at SIGTERM"
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default $ATOM_API_KEY; unset: open)",
+    )
+    parser.add_argument(
+        "--routing-policy",
+        choices=[p.value for p in RoutingPolicy],
+        default=RoutingPolicy.PREFIX.value,
+        help="how a prefill instance is picked: prefix (the one that most recently served the "
+        "longest matching prompt prefix, bounded by outstanding requests) or least-outstanding",
+    )
     d = RouterSettings()
     for flag, default, text in (
         ("--health-interval", d.health_interval, "seconds between /health probes of each instance"),
@@ -66,10 +81,15 @@ async def run(args: argparse.Namespace) -> int:
         print(f"atom-router: error: {exc}", file=sys.stderr)
         return 2
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=args.grace, access_log=None
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=args.grace,
+        access_log=None,
+        **RUNNER_KWARGS,
     )
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    # A burst of clients connects at once; aiohttp's default backlog (128) resets the excess.
+    site = web.TCPSite(runner, args.host, args.port, backlog=2048)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else args.port
     print(f"ATOM router listening on http://{args.host}:{port}", flush=True)

@@ -35,6 +35,18 @@ class RouterMetrics:
             ["role"],
             registry=self.registry,
         )
+        self.releases = Counter(
+            "atom_router_kv_releases",
+            "Prefill holds released after the decode side failed or the client left",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.responses = Counter(
+            "atom_router_http_responses",
+            "Responses of the router by HTTP status (every route, errors included)",
+            ["status"],
+            registry=self.registry,
+        )
         self.prefill_seconds = Histogram(
             "atom_router_prefill_seconds",
             "Duration of the prefill call (prompt + first token + KV handle)",

@@ -3,8 +3,10 @@
 A target is a URL (`http://10.0.0.5:8000`: one instance, as given) or a DNS name with a port
 (`demo-prefill-abc.ns.svc:8000`: every address it resolves to is an instance, so a headless
 Service's A records are its ready pods; re-resolved periodically). An instance is in rotation
-until a health probe or a request fails, and back once a probe passes. The router picks the
-instance with the fewest outstanding requests, the least recently picked first on a tie.
+until a health probe or a request fails, and back once a probe passes. Leaving rotation only
+stops new requests: those in flight keep their own connections and end only if those fail.
+The router picks the instance with the fewest outstanding requests, the least recently picked
+first on a tie.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ipaddress
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 DEFAULT_PORT = 8000
+MAX_REASON = 200  # characters of one instance's reason: log lines and 503 bodies stay short
+
+
+def bounded(text: str, limit: int = MAX_REASON) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(eq=False)
@@ -35,8 +43,10 @@ class Instance:
     outstanding: int = 0
     last_pick: int = 0
     timeouts: int = 0  # consecutive probe timeouts
-    # Set when the instance is found dead: requests waiting on it stop at once.
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # When bytes last arrived from it (monotonic): a busy instance is slow to answer /health
+    # but its requests progress, and it stays in rotation.
+    last_progress: float = field(default=0.0)
+    out_by_timeouts: bool = False  # out of rotation only because /health was slow
 
     @property
     def host(self) -> str:
@@ -50,16 +60,31 @@ class Instance:
         if self.healthy is False:
             logger.info("%s instance %s is back in rotation", self.role, self.url)
         self.healthy, self.reason, self.timeouts = True, "ok", 0
-        if self.lost.is_set():
-            self.lost = asyncio.Event()
+        self.out_by_timeouts = False
 
-    def failed(self, reason: str, dead: bool = False) -> None:
-        """Out of rotation; `dead` (unreachable) also stops the requests in flight on it."""
+    def failed(self, reason: str, slow: bool = False) -> None:
+        """Out of rotation for new requests; the ones in flight are left alone. `slow`: only
+        because /health timed out (bytes arriving from it bring it back)."""
+        reason = bounded(reason)
         if self.healthy is not False:
             logger.warning("%s instance %s out of rotation: %s", self.role, self.url, reason)
-        self.healthy, self.reason = False, reason
-        if dead:
-            self.lost.set()
+        self.healthy, self.reason, self.out_by_timeouts = False, reason, slow
+
+    def busy(self) -> None:
+        """Slow to answer /health, but its requests progress: in rotation."""
+        self.reason = f"busy: /health timed out ({self.timeouts}x), its requests progress"
+        if self.healthy is False and self.out_by_timeouts:
+            logger.info("%s instance %s is busy, not dead: back in rotation", self.role, self.url)
+            self.healthy, self.out_by_timeouts = True, False
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()
+        if self.out_by_timeouts:
+            self.busy()
+
+    def progressing(self, window: float) -> bool:
+        """Requests in flight on it and bytes from it within the last `window` seconds."""
+        return self.outstanding > 0 and time.monotonic() - self.last_progress <= window
 
 
 def _url(host: str, port: int) -> str:
@@ -137,8 +162,9 @@ class Pool:
     def unavailable_reason(self) -> str:
         if not self.instances:
             return f"no {self.role} instance is known (nothing resolved from {self.targets})"
-        detail = "; ".join(f"{i.url}: {i.reason}" for i in self.instances.values())
-        return f"no healthy {self.role} instance ({detail})"
+        detail = "; ".join(f"{i.url}: {i.reason}" for i in list(self.instances.values())[:5])
+        more = len(self.instances) - 5
+        return f"no healthy {self.role} instance ({detail}{f'; {more} more' if more > 0 else ''})"
 
     @contextmanager
     def busy(self, inst: Instance) -> Iterator[Instance]:

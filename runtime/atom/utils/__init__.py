@@ -1,0 +1,1 @@
+"""Shared leaf helpers (counters, forward context); the other modules are old import paths."""

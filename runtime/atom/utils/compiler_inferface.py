@@ -1,21 +1,3 @@
-"""The guide's spelling of atom.utils.compiler_interface (kept importable on purpose)."""
+"""Old import path (kept for the guide and existing callers): re-exports atom.compilation.compiler_interface."""
 
-from atom.utils.compiler_interface import (  # noqa: F401
-    AlwaysHitShapeEnv,
-    CompilerInterface,
-    CorruptArtifactError,
-    EagerAdaptor,
-    InductorAdaptor,
-    InductorStandaloneAdaptor,
-    make_compiler,
-)
-
-__all__ = [
-    "AlwaysHitShapeEnv",
-    "CompilerInterface",
-    "CorruptArtifactError",
-    "EagerAdaptor",
-    "InductorAdaptor",
-    "InductorStandaloneAdaptor",
-    "make_compiler",
-]
+from atom.compilation.compiler_interface import *  # noqa: F401,F403

@@ -7,6 +7,7 @@ context: set before the forward, read inside it, reset after it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,6 +63,14 @@ class SpecDecodeMetadata:
     logits_indices: torch.Tensor | None = None
 
 
+class TokenGraphPass(enum.StrEnum):
+    """ForwardContext.tr_graph: what a @token_graph unit's call does (None: runs as before).
+    A StrEnum, so the strings "record" and "replay" compare equal to its members."""
+
+    RECORD = "record"  # record a TokenGraph for the call's row count
+    REPLAY = "replay"  # replay the recorded one
+
+
 @dataclass
 class ForwardContext:
     no_compile_layers: dict[int, Any] = field(default_factory=dict)
@@ -70,8 +79,8 @@ class ForwardContext:
     context: Context | None = None
     dp_metadata: DPMetadata | None = None
     spec_decode_metadata: SpecDecodeMetadata | None = None
-    # None: eager; "record": a TokenGraph is being recorded; "replay": replay the token graph.
-    tr_graph: str | None = None
+    # None: eager; RECORD: a TokenGraph is being recorded; REPLAY: replay the token graph.
+    tr_graph: TokenGraphPass | None = None
     atom_config: Any = None
 
 
@@ -89,7 +98,7 @@ def set_forward_context(
     num_tokens: int | None = None,
     num_tokens_across_dp: list[int] | None = None,
     spec_decode_metadata: SpecDecodeMetadata | None = None,
-    tr_graph: str | None = None,
+    tr_graph: TokenGraphPass | None = None,
     no_compile_layers: dict[int, Any] | None = None,
     kv_cache_data: dict[str, Any] | None = None,
 ) -> ForwardContext:

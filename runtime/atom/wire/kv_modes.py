@@ -13,6 +13,7 @@ class KVMode(enum.StrEnum):
 MODES = tuple(m.value for m in KVMode)
 
 DEFAULT_KV_PORT = 8001  # where a prefill instance serves its held blocks unless told
+RELEASE_PATH = "/internal/kv/release"  # the router frees a hold there (entrypoints/kv_release.py)
 
 
 def parse_mode(value: object) -> KVMode | None:

@@ -45,7 +45,15 @@ class RequestRefused(Exception):
 class Chunk:
     """What a request produced since its handler last looked (one or more engine steps)."""
 
-    __slots__ = ("finish_reason", "logprobs", "num_output_tokens", "num_prompt_tokens", "tokens")
+    __slots__ = (
+        "finish_reason",
+        "kv_secret",
+        "logprobs",
+        "num_cached_tokens",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -54,9 +62,12 @@ class Chunk:
         finish: str | None,
         num_prompt: int,
         num_output: int,
+        num_cached: int = 0,
+        kv_secret: str | None = None,
     ) -> None:
         self.tokens, self.logprobs, self.finish_reason = tokens, logprobs, finish
         self.num_prompt_tokens, self.num_output_tokens = num_prompt, num_output
+        self.num_cached_tokens, self.kv_secret = num_cached, kv_secret
 
 
 class RequestStream:
@@ -70,6 +81,8 @@ class RequestStream:
         "error",
         "finish_reason",
         "first_output_at",
+        "kv_secret",
+        "num_cached_tokens",
         "num_output_tokens",
         "num_prompt_tokens",
         "request_id",
@@ -84,6 +97,8 @@ class RequestStream:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.kv_secret: str | None = None
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
 
@@ -106,6 +121,9 @@ class RequestStream:
             self._logprobs += out.logprobs
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_secret is not None:
+            self.kv_secret = out.kv_secret
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
         self._wake()
@@ -129,7 +147,15 @@ class RequestStream:
         tokens, self._tokens = self._tokens, []
         lps, self._logprobs = self._logprobs, None
         finish = self.finish_reason if self.error is None else None
-        return Chunk(tokens, lps, finish, self.num_prompt_tokens, self.num_output_tokens)
+        return Chunk(
+            tokens,
+            lps,
+            finish,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.num_cached_tokens,
+            self.kv_secret,
+        )
 
 
 class CoreClient:
@@ -159,6 +185,7 @@ class CoreClient:
         self._aborts: list[str] = []
         self._scrapes: dict[int, asyncio.Future] = {}
         self._scrape_seq = 0
+        self._releases: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._enc = msgs.encoder()
 
@@ -237,6 +264,7 @@ class CoreClient:
         first_token: int | None = None,
         first_logprob: float | None = None,
         kv_pull: KVHandle | None = None,
+        cached_tokens: int = 0,
     ) -> RequestStream:
         if self.state != "ready":
             raise EngineDead(f"the engine is {self.state}: {self.reason}")
@@ -249,6 +277,7 @@ class CoreClient:
             first_token,
             first_logprob,
             kv_pull,
+            cached_tokens,
         )
         data = self._enc.encode(msg)  # an unrepresentable value fails here, before any state
         stream = RequestStream(request_id)
@@ -271,7 +300,29 @@ class CoreClient:
             self._send(msgs.AbortRequests(ids))
 
     def release_kv(self, handle: KVHandle) -> None:
+        """A decode request that will not run: the core frees the blocks on their prefill."""
         self._send(msgs.ReleaseKV(handle))
+
+    def drop_hold(self, request_id: str) -> None:
+        """A prefill-role request whose handler was cancelled: nobody will pull its blocks."""
+        if self.core_exit() is None:
+            self._send(msgs.DropHold(request_id))
+
+    async def release_hold(self, handle: str, secret: str, timeout: float = 5.0) -> bool:
+        """POST /internal/kv/release: the core checks the secret and drops the hold."""
+        if self.state != "ready" or self.core_exit() is not None:
+            return False
+        self._scrape_seq += 1
+        seq = self._scrape_seq
+        fut = asyncio.get_running_loop().create_future()
+        self._releases[seq] = fut
+        self._send(msgs.ReleaseHold(self.client_index, seq, handle, secret))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._releases.pop(seq, None)
 
     async def scrape(self, timeout: float = 2.0) -> bytes:
         """The core's own Prometheus series (KV transfers); empty when it does not answer."""
@@ -339,6 +390,10 @@ class CoreClient:
             fut = self._scrapes.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg.text)
+        elif isinstance(msg, msgs.HoldReleased):
+            fut = self._releases.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.released)
 
     def _status(self, msg: msgs.EngineStatus) -> None:
         self.core_pid = msg.pid

@@ -21,13 +21,17 @@ from typing import Any
 
 import zmq
 
+from atom.disagg.holds import HoldCapExceeded
 from atom.entrypoints.core.messages import (
     AbortRequests,
     AddRequest,
+    DropHold,
     EngineInfo,
     EngineStatus,
     Hello,
+    HoldReleased,
     MetricsText,
+    ReleaseHold,
     ReleaseKV,
     ReqOut,
     RequestFailed,
@@ -39,7 +43,7 @@ from atom.entrypoints.core.messages import (
     encoder,
     input_decoder,
 )
-from atom.wire.errors import INVALID_REQUEST, kv_status
+from atom.wire.errors import INVALID_REQUEST, KV_HOLD_CAP, kv_status
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,10 @@ class EngineCore:
     steps: int = 0
     info: EngineInfo | None = None
     _owner: dict[str, int] = field(default_factory=dict)  # request id -> API server index
+    # prefill-role requests still running: their room under --max-held-kv-fraction
+    _reserved: dict[str, Any] = field(default_factory=dict)  # -> atom.disagg.holds.Reservation
     _registry: Any = None
+    _stats_due: bool = False  # send Stats at the end of this turn
 
     # ---- sockets --------------------------------------------------------------------------
     def _open(self) -> None:
@@ -216,8 +223,10 @@ class EngineCore:
                     self._route(outs)
             elif reclaim is not None:
                 reclaim()  # held KV blocks that were pulled or timed out, while idle too
-            if now - last_stats >= (BUSY_STATS_S if busy else HEARTBEAT_S):
-                last_stats = now
+            # Also at once when work just ended or was refused: /status then shows what it left.
+            due = self._stats_due or (busy and not engine.has_unfinished_requests())
+            if due or now - last_stats >= (BUSY_STATS_S if busy else HEARTBEAT_S):
+                last_stats, self._stats_due = now, False
                 self._broadcast(Stats(self._stats(), self.steps, busy))
             if now - last_parent_check >= 0.5:
                 last_parent_check = now
@@ -229,7 +238,7 @@ class EngineCore:
         """One StepOutputs per API server that has a request in this step."""
         owner = self._owner
         if len(self._outs) == 1:
-            batch = [_req_out(o) for o in outs]
+            batch = [self._req_out(o) for o in outs]
             for o in outs:
                 if o.finished:
                     owner.pop(o.request_id, None)
@@ -240,9 +249,18 @@ class EngineCore:
             client = owner.get(o.request_id, 0)
             if o.finished:
                 owner.pop(o.request_id, None)
-            per.setdefault(client, []).append(_req_out(o))
+            per.setdefault(client, []).append(self._req_out(o))
         for client, batch in per.items():
             self._send(client, StepOutputs(batch, self.steps))
+
+    def _req_out(self, o: Any) -> ReqOut:
+        out = _req_out(o)
+        if o.finished and self._reserved:
+            reservation = self._reserved.pop(o.request_id, None)
+            if reservation is not None:  # its hold is registered now (or it ended without one)
+                reservation.__exit__(None, None, None)
+                out.kv_secret = self.kv.service.keys.secret_for(o.request_id)
+        return out
 
     def _stats(self) -> dict[str, Any]:
         try:
@@ -257,6 +275,9 @@ class EngineCore:
         if holds is not None:
             stats["kv_holds"] = holds.num_holds
             stats["kv_holds_expired"] = holds.stats.expired
+            stats["kv_blocks_held"] = holds.num_blocks_held
+        if self.kv is not None:
+            stats["kv_hold_cap_refused"] = self.kv.service.cap.refused
         return _jsonable(stats)
 
     # ---- input ----------------------------------------------------------------------------
@@ -276,6 +297,13 @@ class EngineCore:
             elif isinstance(msg, ReleaseKV):
                 if self.kv is not None:
                     self.kv.release(msg.handle)
+            elif isinstance(msg, DropHold):
+                self._drop_hold(msg.request_id)
+            elif isinstance(msg, ReleaseHold):
+                ok = self.kv is not None and self.kv.service.release_verified(
+                    msg.handle, msg.secret
+                )
+                self._send(msg.client, HoldReleased(msg.seq, ok))
             elif isinstance(msg, Hello):
                 self._send(msg.client, self._status())
             elif isinstance(msg, Scrape):
@@ -303,27 +331,53 @@ class EngineCore:
                     params,
                     blocks,
                     msg.first_logprob,
+                    cached_tokens=msg.cached_tokens,
                 )
             elif msg.hold_kv:
-                engine.add_request(msg.request_id, msg.prompt_ids, params, hold_kv=True)
+                self._add_holding(msg, params)
             else:
                 engine.add_request(msg.request_id, msg.prompt_ids, params)
+        except HoldCapExceeded as exc:  # --max-held-kv-fraction: busy, not unwell
+            self._fail(msg.request_id, 503, KV_HOLD_CAP, str(exc))
+            self._stats_due = True
         except (ValueError, TypeError, OverflowError) as exc:  # the engine names the limit
+            self._unreserve(msg.request_id)
             self._fail(msg.request_id, 400, INVALID_REQUEST, str(exc))
+
+    def _add_holding(self, msg: AddRequest, params: Any) -> None:
+        """A prefill-role request: room under the hold cap first, kept until it finishes."""
+        if self.kv is not None:
+            self._reserved[msg.request_id] = self.kv.service.reserve(len(msg.prompt_ids))
+        self.engine.add_request(msg.request_id, msg.prompt_ids, params, hold_kv=True)
+
+    def _unreserve(self, rid: str) -> None:
+        reservation = self._reserved.pop(rid, None)
+        if reservation is not None:
+            reservation.__exit__(None, None, None)
+
+    def _drop_hold(self, rid: str) -> None:
+        """The prefill's API handler was cancelled: nobody will pull its blocks."""
+        self._abort(rid)
+        self._unreserve(rid)
+        if self.kv is not None:
+            self.kv.service.release_local(rid)
 
     def _add_pulled(self) -> None:
         done = self.kv.done
         while done:
             d = done.popleft()
             rid = d.req.request_id
-            if rid not in self._owner:
-                continue  # aborted while its blocks were on the way
+            if rid not in self._owner:  # aborted while its blocks were on the way
+                if d.error is None and d.req.kv_pull is not None:
+                    self.kv.release(d.req.kv_pull)  # free them on the prefill now
+                continue
             if d.error is not None:
                 self._fail(rid, kv_status(d.error.code), d.error.code, d.error.message)
             else:
                 self._add_now(d.req, d.blocks)
 
     def _abort(self, rid: str) -> None:
+        self._unreserve(rid)
         if self._owner.pop(rid, None) is None:
             return
         try:
@@ -362,6 +416,7 @@ def _req_out(o: Any) -> ReqOut:
         (o.finish_reason or "stop") if o.finished else None,
         o.num_prompt_tokens,
         o.num_output_tokens,
+        getattr(o, "num_cached_tokens", 0),
     )
 
 

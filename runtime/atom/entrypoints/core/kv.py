@@ -62,6 +62,7 @@ class CoreKV:
             port=svc.bound_port if svc.serves else None,
             advertise_host=svc.advertise_host,
             hold_seconds=svc.hold_seconds,
+            max_held_fraction=svc.cap.fraction,
         )
 
     # ---- decode side ----------------------------------------------------------------------
@@ -75,10 +76,15 @@ class CoreKV:
             pulled = await self.service.pull(req.kv_pull)
             self.done.append(PullDone(req, blocks=pulled.blocks))
         except KVTransferError as exc:
+            self.service.release_soon(req.kv_pull)  # the prefill frees its blocks now
             self.done.append(PullDone(req, error=exc))
         except Exception as exc:  # never lose a request: it fails with the cause
             logger.exception("KV pull failed")
+            self.service.release_soon(req.kv_pull)
             self.done.append(PullDone(req, error=KVTransferError(str(exc), KV_TRANSFER_FAILED)))
+        except BaseException:  # cancelled (the core is closing): free them on the prefill
+            self.service.release_soon(req.kv_pull)
+            raise
         self._wake()
 
     def release(self, handle: KVHandle) -> None:

@@ -1,9 +1,10 @@
 """The typed seam between the API server(s) and the engine core (msgpack via msgspec).
 
-API -> core: AddRequest, AbortRequests, ReleaseKV, Hello, Scrape, Shutdown.
+API -> core: AddRequest, AbortRequests, ReleaseKV, DropHold, ReleaseHold, Hello, Scrape,
+Shutdown.
 core -> API: StepOutputs (every request that moved in one engine step), RequestFailed,
 EngineStatus (state changes, and the engine's facts once ready), Stats (also the heartbeat),
-MetricsText (the core's own Prometheus series, on request).
+MetricsText (the core's own Prometheus series, on request), HoldReleased (ReleaseHold's answer).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     first_token: int | None = None  # decode role: the prompt ran elsewhere, this was sampled
     first_logprob: float | None = None
     kv_pull: KVHandle | None = None  # decode role: pull these blocks first (None: not needed)
+    cached_tokens: int = 0  # decode role: prompt tokens the prefill found in its prefix cache
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -48,6 +50,22 @@ class ReleaseKV(msgspec.Struct, tag=True, array_like=True):
     """Free a handle's blocks on its prefill instance (the decode side did not need them)."""
 
     handle: KVHandle
+
+
+class DropHold(msgspec.Struct, tag=True, array_like=True):
+    """Drop this core's hold of a prefill-role request (its API handler was cancelled)."""
+
+    request_id: str
+
+
+class ReleaseHold(msgspec.Struct, tag=True, array_like=True):
+    """POST /internal/kv/release: drop a hold if `secret` is its per-transfer secret (the key
+    lives only in the core); answered with HoldReleased."""
+
+    client: int
+    seq: int
+    handle: str
+    secret: str
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
@@ -66,7 +84,9 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-CoreInput = AddRequest | AbortRequests | ReleaseKV | Hello | Scrape | Shutdown
+CoreInput = (
+    AddRequest | AbortRequests | ReleaseKV | DropHold | ReleaseHold | Hello | Scrape | Shutdown
+)
 
 
 # ---- core -> API ------------------------------------------------------------------------------
@@ -79,6 +99,8 @@ class ReqOut(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None  # None: goes on; "stop" | "length" | "abort"
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_secret: str | None = None  # a finished hold_kv request: its handle's per-transfer secret
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -102,6 +124,7 @@ class KVInfo(msgspec.Struct):
     port: int | None  # the KV port this core serves blocks on (None: serves none)
     advertise_host: str | None
     hold_seconds: float
+    max_held_fraction: float = 0.5  # --max-held-kv-fraction
 
 
 class EngineInfo(msgspec.Struct):
@@ -133,7 +156,12 @@ class MetricsText(msgspec.Struct, tag=True, array_like=True):
     text: bytes
 
 
-CoreOutput = StepOutputs | RequestFailed | EngineStatus | Stats | MetricsText
+class HoldReleased(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    released: bool  # False: unknown handle, wrong secret, already pulled/released/expired
+
+
+CoreOutput = StepOutputs | RequestFailed | EngineStatus | Stats | MetricsText | HoldReleased
 
 
 def encoder() -> msgspec.msgpack.Encoder:

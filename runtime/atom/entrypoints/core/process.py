@@ -54,6 +54,7 @@ class KVSettings:
     advertise_host: str | None = None
     hold_seconds: float = 30.0
     pull_timeout: float = 30.0
+    max_held_fraction: float = 0.5  # --max-held-kv-fraction
 
     def service(self) -> Any:
         from atom.disagg.service import KVService

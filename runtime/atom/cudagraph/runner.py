@@ -1,0 +1,481 @@
+"""The CUDA-graph side of the model runner: mode resolution, capture, and per-step dispatch.
+
+`ModelRunner` owns one `GraphRunner` (`runner.graph_runner`). At warm-up
+`capture(runner)` records the graphs the mode asks for; at each step
+`maybe_replay(runner, input_ids)` replays one of them or returns None (run eagerly).
+
+Which graph a step replays (`ForwardMode.decide`):
+- NONE, enforce_eager: eager.
+- FULL (decode mode FULL): a decode step replays the ReqGraph of the smallest request bucket
+  holding its sequences; prefill/mixed steps run eagerly. FULL_DECODE_ONLY is the same with
+  mixed batches explicitly eager.
+- TR_HYBRID (and FULL_AND_TR_HYBRID, recorded as TR_HYBRID): any step whose token count fits
+  a bucket recorded for its phase replays that TokenGraph, padded to the bucket's rows.
+- A step above the largest bucket runs eagerly.
+The runner pads a step before preparing it: `plan(...)` says to how many rows and sequences.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as SequenceOf
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from atom.config import Config, CUDAGraphMode, default_capture_sizes
+from atom.cudagraph.region_graph import (
+    ReqGraph,
+    SegmentRecorder,
+    TokenGraph,
+    is_token_graph_unit,
+    request_bucket,
+    reset_token_graph,
+    token_graph_of,
+)
+from atom.utils.forward_context import (
+    AttentionMetaData,
+    Context,
+    ForwardContext,
+    TokenGraphPass,
+    get_forward_context,
+    reset_forward_context,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StepKind(enum.StrEnum):
+    """How one step runs (StepPlan.kind)."""
+
+    EAGER = "eager"
+    TOKEN_GRAPH = "token_graph"
+    REQ_GRAPH = "req_graph"
+
+
+EAGER, TOKEN_GRAPH, REQ_GRAPH = StepKind.EAGER, StepKind.TOKEN_GRAPH, StepKind.REQ_GRAPH
+
+
+class GraphRunnerHost(Protocol):
+    """What the GraphRunner needs from the model runner it records for (ModelRunner)."""
+
+    model: torch.nn.Module  # called (input_ids, positions) -> hidden states
+    forward_vars: dict[str, torch.Tensor]  # the persistent step buffers ("outputs" among them)
+
+    def build_dummy_decode(
+        self, num_seqs: int, q_len: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]: ...
+
+    def set_context(self, meta: AttentionMetaData, context: Context) -> None: ...
+
+
+class ScheduledCount(Protocol):
+    """A scheduled sequence as pad_sizes reads it."""
+
+    @property
+    def num_scheduled_tokens(self) -> int: ...
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def resolve_mode(
+    config: Config,
+    cuda_available: bool | None = None,
+    require_cuda: bool = True,
+    mode: CUDAGraphMode | None = None,
+) -> CUDAGraphMode:
+    """The mode the runner really uses: NONE without CUDA (one warning), FULL_AND_TR_HYBRID
+    recorded as TR_HYBRID (the guide), NONE under enforce_eager or use_cudagraph=False.
+    require_cuda=False keeps the mode for an emulated recorder (CPU tests); mode overrides
+    the config's cudagraph_mode."""
+    cc = config.compilation_config
+    if mode is None:
+        mode = cc.cudagraph_mode if cc.cudagraph_mode is not None else CUDAGraphMode.NONE
+    if config.enforce_eager or not cc.use_cudagraph or mode == CUDAGraphMode.NONE:
+        return CUDAGraphMode.NONE
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    device = str(config.device or ("cuda" if cuda_available else "cpu"))
+    if require_cuda and (not cuda_available or not device.startswith("cuda")):
+        logger.warning(
+            "cudagraph_mode %s needs CUDA; running without CUDA graphs (NONE) on %s", mode, device
+        )
+        return CUDAGraphMode.NONE
+    if mode == CUDAGraphMode.FULL_AND_TR_HYBRID:
+        logger.info("cudagraph_mode FULL_AND_TR_HYBRID is recorded as TR_HYBRID")
+        return CUDAGraphMode.TR_HYBRID
+    return mode
+
+
+def resolve_capture_sizes(
+    cudagraph_capture_sizes: list[int] | None, cuda_graph_sizes: list[int], max_num_seqs: int
+) -> list[int]:
+    """The guide's capture-size rule, largest first.
+
+    An explicit cudagraph_capture_sizes is used as is; one cuda_graph_sizes value N gives the
+    pattern [1..8] + [16, 32, ..., N] (clamped to max_num_seqs: the scheduler never produces
+    more); several values are used as given. Sizes the scheduler cannot produce are refused.
+    """
+    if cudagraph_capture_sizes:
+        sizes = list(cudagraph_capture_sizes)
+    elif len(cuda_graph_sizes) == 1:
+        sizes = [s for s in default_capture_sizes(cuda_graph_sizes[0]) if s <= max_num_seqs]
+    else:
+        sizes = list(cuda_graph_sizes)
+    sizes = sorted(set(sizes), reverse=True)
+    if sizes and sizes[0] > max_num_seqs:
+        raise AssertionError(
+            f"capture size {sizes[0]} exceeds max_num_seqs={max_num_seqs}: a graph the "
+            "scheduler cannot fill would write past the per-sequence buffers"
+        )
+    return sizes
+
+
+def pad_to_bucket(n: int, buckets: list[int]) -> int | None:
+    """Smallest bucket >= n, None above the largest."""
+    fits = [b for b in buckets if b >= n]
+    return min(fits) if fits else None
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step runs: kind, and the rows / sequences it is padded to."""
+
+    kind: StepKind
+    rows: int
+    seqs: int
+    key: tuple[int, int] | None = None  # request bucket of a req_graph step
+
+    @property
+    def padded(self) -> bool:
+        return self.kind != EAGER
+
+
+class ForwardMode:
+    """Chooses eager, token-graph or request-graph execution for a step."""
+
+    @staticmethod
+    def decide(
+        decode_mode: CUDAGraphMode,
+        mixed_mode: CUDAGraphMode,
+        *,
+        is_prefill: bool,
+        num_seqs: int,
+        num_tokens: int,
+        q_len: int,
+        token_sizes: list[int],
+        req_keys: list[tuple[int, int]],
+    ) -> StepPlan:
+        eager = StepPlan(EAGER, num_tokens, num_seqs)
+        mode = mixed_mode if is_prefill else decode_mode
+        if mode == CUDAGraphMode.TR_HYBRID:
+            rows = pad_to_bucket(num_tokens, token_sizes)
+            if rows is None:
+                return eager
+            # Decode pads whole sequences (one row each per q); a prefill pads rows only.
+            seqs = num_seqs if is_prefill or rows % q_len else rows // q_len
+            return StepPlan(TOKEN_GRAPH, rows, seqs)
+        if mode == CUDAGraphMode.FULL and not is_prefill:
+            draft = q_len - 1
+            bs = pad_to_bucket(num_seqs, [k[0] for k in req_keys if k[1] == draft])
+            if bs is None:
+                return eager
+            return StepPlan(REQ_GRAPH, bs * q_len, bs, (bs, draft))
+        return eager
+
+
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """No collection during capture (it dominates capture time); collect once after."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
+def _takes_ids_positions(module: torch.nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:2] == ["input_ids", "positions"]
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+# --------------------------------------------------------------------------- runner
+
+
+class GraphRunner:
+    """Captures and replays the graphs of one ModelRunner."""
+
+    def __init__(
+        self,
+        config: Config,
+        cuda_available: bool | None = None,
+        recorder_factory: Callable[[], SegmentRecorder] | None = None,
+        mode: CUDAGraphMode | None = None,
+        capture_sizes: list[int] | None = None,
+        q_len: int = 1,
+    ) -> None:
+        """recorder_factory replaces CUDA capture (CpuOpRecorder in CPU tests); mode and
+        capture_sizes override the config's (tests and benchmarks switch modes on one
+        compiled model)."""
+        self.config = config
+        self._sizes_override = list(capture_sizes) if capture_sizes else None
+        self.recorder_factory = recorder_factory
+        self._cuda = recorder_factory is None
+        self.mode = resolve_mode(config, cuda_available, require_cuda=self._cuda, mode=mode)
+        self.decode_mode = self.mode.decode_mode()
+        self.mixed_mode = self.mode.mixed_mode()
+        self.capture_sizes: list[int] = []  # ascending, once captured
+        self.req_graph = ReqGraph(recorder_factory)
+        self.token_graphs: list[TokenGraph] = []
+        self._token_sizes: dict[str, list[int]] = {}
+        self._unit: torch.nn.Module | None = None  # the single recording unit, called directly
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+        # Query rows per decode request: 1, or 1 + draft tokens when a drafter verifies them
+        # (request buckets (bs, q_len - 1), token buckets bs * q_len rows).
+        self.q_len = int(q_len)
+
+    @property
+    def active(self) -> bool:
+        """Whether any graph will be recorded (a mode other than NONE)."""
+        return self.mode != CUDAGraphMode.NONE
+
+    # ---------------------------------------------------------------- planning
+
+    def token_sizes(self, phase: str) -> list[int]:
+        """Token buckets every unit recorded for the phase (a step must fit all of them)."""
+        cached = self._token_sizes.get(phase)
+        if cached is not None:
+            return cached
+        if not self.token_graphs:
+            return []
+        common = set(self.token_graphs[0].captured_sizes(phase))
+        for tg in self.token_graphs[1:]:
+            common &= set(tg.captured_sizes(phase))
+        return sorted(common)
+
+    def plan(self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int = 1) -> StepPlan:
+        """How the next step runs; the runner pads it to plan.rows / plan.seqs when padded."""
+        if self.mode == CUDAGraphMode.NONE:  # also under enforce_eager (resolve_mode)
+            return StepPlan(EAGER, num_tokens, num_seqs)
+        phase = "prefill" if is_prefill else "decode"
+        return ForwardMode.decide(
+            self.decode_mode,
+            self.mixed_mode,
+            is_prefill=is_prefill,
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            q_len=q_len,
+            token_sizes=self.token_sizes(phase),
+            req_keys=self.req_graph.keys(),
+        )
+
+    def pad_sizes(
+        self, runner: GraphRunnerHost | None, seqs: SequenceOf[ScheduledCount], is_prefill: bool
+    ) -> tuple[int | None, int | None]:
+        """(pad_to_rows, pad_to_seqs) for ModelRunner.prepare_inputs; (None, None): eager."""
+        num_tokens = sum(int(s.num_scheduled_tokens) for s in seqs)
+        q_len = 1 if is_prefill else max((int(s.num_scheduled_tokens) for s in seqs), default=1)
+        plan = self.plan(is_prefill, len(seqs), num_tokens, q_len)
+        return (plan.rows, plan.seqs) if plan.padded else (None, None)
+
+    # ---------------------------------------------------------------- capture
+
+    def _sizes(self) -> list[int]:
+        cc = self.config.compilation_config
+        given = self._sizes_override or self.config.capture_sizes
+        if given:
+            sizes = sorted(set(given), reverse=True)
+            if sizes[0] > self.config.max_num_seqs:
+                raise AssertionError(
+                    f"capture size {sizes[0]} exceeds max_num_seqs={self.config.max_num_seqs}"
+                )
+            return sizes
+        return resolve_capture_sizes(
+            cc.cudagraph_capture_sizes, cc.cuda_graph_sizes, self.config.max_num_seqs
+        )
+
+    def _find_units(self, runner: GraphRunnerHost) -> list[TokenGraph]:
+        units = [m for m in runner.model.modules() if is_token_graph_unit(m)]
+        if not units:
+            raise RuntimeError(
+                "TR_HYBRID needs a @token_graph recording unit in the model (none found)"
+            )
+        tgs = [reset_token_graph(m) for m in units]  # a new capture starts from no recordings
+        if self.recorder_factory is not None:
+            for tg in tgs:
+                tg.recorder_factory = self.recorder_factory
+        outputs = runner.forward_vars.get("outputs")
+        if len(tgs) == 1 and outputs is not None:
+            tgs[0].outputs = outputs  # recorded outputs land in the runner's static buffer
+        # One unit taking (input_ids, positions), as the Llama backbone does: record and
+        # replay it directly, outside any Dynamo wrapper around the whole model (level 1).
+        self._unit = units[0] if len(units) == 1 and _takes_ids_positions(units[0]) else None
+        return tgs
+
+    def _dummy(
+        self, runner: GraphRunnerHost, bs: int, is_prefill: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Install a fake decode batch of bs sequences in the forward context."""
+        ids, positions, md, ctx = runner.build_dummy_decode(bs, self.q_len)
+        ctx.is_prefill = is_prefill
+        runner.set_context(md, ctx)  # also installs the runner's attention layers
+        return ids, positions
+
+    @torch.inference_mode()
+    def capture(self, runner: GraphRunnerHost) -> tuple[float, list[int]]:
+        """Record every bucket the mode needs; returns (seconds, sizes ascending)."""
+        if self.mode == CUDAGraphMode.NONE:
+            return 0.0, []
+        sizes = self._sizes()
+        use_full = self.decode_mode == CUDAGraphMode.FULL
+        use_tr = self.mode.uses_tr_hybrid()
+        if use_tr:
+            self.token_graphs = self._find_units(runner)
+        outputs = runner.forward_vars.get("outputs")
+        self.req_graph = ReqGraph(self.recorder_factory)  # a new capture starts empty
+        self._token_sizes = {}
+        self._sync()
+        free_before = torch.cuda.mem_get_info()[0] if self._cuda else 0
+        start = time.perf_counter()
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(sizes, desc=f"Capturing CUDA graphs ({self.mode.name})",
+                       disable=_rank() != 0, leave=False)
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            bar = sizes
+        with frozen_gc():
+            try:
+                for bs in bar:
+                    ids, positions = self._dummy(runner, bs, is_prefill=False)
+                    runner.model(ids, positions)  # warm-up: lazy compiles, autotuning, workspaces
+                    if use_full:
+                        key = request_bucket(bs, int(ids.shape[0]) // bs)
+                        self.req_graph.record(key, runner.model, (ids, positions), outputs)
+                    if use_tr:
+                        self._record_token_graphs(runner, ids, positions)
+                    self._sync()
+                if use_tr and self.mixed_mode == CUDAGraphMode.TR_HYBRID:
+                    # Prefill pass: a unit that records the same work in both phases only claims
+                    # the decode recordings; a per-phase unit records its own.
+                    for bs in sizes:
+                        ids, positions = self._dummy(runner, bs, is_prefill=True)
+                        if any(tg.per_phase for tg in self.token_graphs):
+                            runner.model(ids, positions)
+                        self._record_token_graphs(runner, ids, positions)
+                    self._sync()
+            finally:
+                reset_forward_context()
+        self.capture_seconds = time.perf_counter() - start
+        if self._cuda:
+            self.pool_bytes = max(free_before - torch.cuda.mem_get_info()[0], 0)
+        self.capture_sizes = sorted(sizes)
+        self._token_sizes = {p: self.token_sizes(p) for p in ("prefill", "decode")}
+        if use_tr and not self.token_sizes("decode"):
+            raise RuntimeError(
+                "token graph capture recorded nothing: put @token_graph above "
+                "@support_torch_compile on the recording unit"
+            )
+        logger.info(
+            "captured %s graphs for sizes %s in %.2f s (pool %.1f MiB)",
+            self.mode.name, self.capture_sizes, self.capture_seconds, self.pool_bytes / 2**20,
+        )
+        return self.capture_seconds, list(self.capture_sizes)
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    def _record_token_graphs(
+        self, runner: GraphRunnerHost, ids: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        ctx = get_forward_context()
+        ctx.tr_graph = TokenGraphPass.RECORD
+        try:
+            (self._unit or runner.model)(ids, positions)
+        finally:
+            ctx.tr_graph = None
+
+    # ---------------------------------------------------------------- replay
+
+    def maybe_replay(self, runner: GraphRunnerHost, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Replay the step's graph and return its hidden states, or None to run it eagerly."""
+        if self.mode != CUDAGraphMode.NONE and self.capture_sizes:
+            fctx = get_forward_context()
+            ctx = fctx.context
+            if ctx is not None:
+                if ctx.is_prefill:
+                    mode = self.mixed_mode
+                else:
+                    mode = self.decode_mode
+                if mode == CUDAGraphMode.TR_HYBRID:
+                    return self._replay_token_graph(runner, fctx, input_ids)
+                if mode == CUDAGraphMode.FULL and not ctx.is_prefill:
+                    return self._replay_req_graph(runner, fctx, input_ids)
+        return None  # the runner runs the step eagerly (and counts it in eager_steps)
+
+    def _replay_token_graph(
+        self, runner: GraphRunnerHost, fctx: ForwardContext, input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        phase = "prefill" if fctx.context.is_prefill else "decode"
+        rows = int(input_ids.shape[0])
+        if rows not in self.token_sizes(phase):
+            return None  # not padded to a bucket (or above the largest): eager
+        if self._unit is not None:
+            return token_graph_of(self._unit).replay((input_ids, fctx.context.positions), phase)
+        fctx.tr_graph = TokenGraphPass.REPLAY
+        try:
+            return runner.model(input_ids, fctx.context.positions)
+        finally:
+            fctx.tr_graph = None
+
+    def _replay_req_graph(
+        self, runner: GraphRunnerHost, fctx: ForwardContext, input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        md = fctx.attn_metadata
+        ctx = fctx.context
+        max_q = getattr(md, "max_seqlen_q", 1) if md is not None else 1
+        key = request_bucket(ctx.running_bs or ctx.batch_size, max_q)
+        if key not in self.req_graph or int(input_ids.shape[0]) != key[0] * (key[1] + 1):
+            return None
+        return self.req_graph.replay(key, (input_ids, ctx.positions))
+
+    # ---------------------------------------------------------------- reporting
+
+    def stats(self) -> dict[str, Any]:
+        """For the warm-up summary, /metrics and /status."""
+        return {
+            "cudagraph_mode": self.mode.name,
+            "captured_sizes": list(self.capture_sizes),
+            "capture_seconds": round(self.capture_seconds, 4),
+            "graph_pool_bytes": int(self.pool_bytes),
+            "req_graph_buckets": [list(k) for k in self.req_graph.keys()],
+            "token_graph_sizes": {p: self.token_sizes(p) for p in ("prefill", "decode")},
+        }

@@ -1,0 +1,370 @@
+"""ModelRunner: turns a scheduled batch into model inputs, runs the model, returns logits.
+
+Every step copies its inputs and attention metadata into slices of persistent device
+buffers (`forward_vars`), so the addresses a CUDA graph recorded stay valid at replay; it
+writes them through persistent host mirrors (atom.engine.host_staging).
+Graph recording and replay belong to `self.graph_runner` (atom.cudagraph.runner), installed
+only when a graph mode is in force; without one every step runs eagerly. The runner is fed a
+`StepBatch` (atom.engine.batch), never the scheduler's sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from atom.compilation.decorators import compile_for_level
+from atom.compilation.prefetch import CompilePrefetch
+from atom.config import CompilationLevel, Config
+from atom.cudagraph.runner import GraphRunner
+from atom.engine.batch import PENDING_TOKEN, StepBatch
+from atom.engine.host_staging import HostStaging
+from atom.models.loader import build_model
+from atom.models.registry import ModelConfig, load_model_config
+from atom.utils.counters import counters
+from atom.utils.forward_context import (
+    AttentionMetaData,
+    Context,
+    ForwardContext,
+    forward_context,
+    get_forward_context,
+    set_forward_context,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BLOCKS = 512
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# A step's model inputs: token ids, positions, attention metadata, step context.
+StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]
+
+
+class ModelRunner:
+    def __init__(self, config: Config, hf_config: ModelConfig | None = None) -> None:
+        self.config = config
+        self.hf_config = hf_config or load_model_config(config.model)
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            config.finalize_model_len(self.hf_config.max_position_embeddings)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.block_size = int(config.block_size)
+        self.max_model_len = int(config.max_model_len)
+        self.max_blocks_per_seq = _cdiv(self.max_model_len, self.block_size)
+        self.capture_sizes: list[int] = sorted(config.capture_sizes or [])
+        torch.manual_seed(int(config.seed))
+
+        compiles = config.compilation_config.level >= CompilationLevel.DYNAMO_ONCE
+        # enforce_eager is decided once, in Config: it sets level 0 and graph mode NONE.
+        self.compile_prefetch = CompilePrefetch(self.device.type, compiles)
+        self.model = build_model(config, self.hf_config)
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.attn_layers = self.model.attention_layers()
+        # Level 1 wraps the whole model in Dynamo (eager backend); levels 2-3 compile inside
+        # the backbone's @support_torch_compile.
+        self.model = compile_for_level(self.model, config)
+
+        # The CUDA-graph engine resolves the mode (NONE without CUDA, with one warning, and
+        # under enforce_eager); installed only when graphs will be recorded.
+        graphs = GraphRunner(config)
+        self.graph_runner: GraphRunner | None = graphs if graphs.active else None
+
+        self.max_num_seqs = max([int(config.max_num_seqs)] + self.capture_sizes)
+        self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs)
+        self.staging = self._input_staging()
+        self.forward_vars = {**self.staging.buffers,
+                             "outputs": torch.zeros(self.max_num_rows, self.hf_config.hidden_size,
+                                                    dtype=self.dtype, device=self.device)}
+        self.num_kv_blocks = 0
+        self.dummy_block = -1  # reserved block that dummy/capture batches write into
+
+    # ---- buffers -------------------------------------------------------------------------
+    def _input_staging(self) -> HostStaging:
+        """The step's input buffers (forward_vars, less the outputs) and their host mirrors."""
+        rows, seqs = self.max_num_rows, self.max_num_seqs
+        i64, i32 = torch.long, torch.int32
+        return HostStaging({
+            "input_ids": (i64, (rows,), 0),
+            "positions": (i64, (rows,), 0),
+            "slot_mapping": (i64, (rows,), -1),
+            "context_lens": (i32, (seqs,), 0),
+            "cu_seqlens_q": (i32, (seqs + 1,), 0),
+            "cu_seqlens_k": (i32, (seqs + 1,), 0),
+            "block_tables": (i32, (seqs, self.max_blocks_per_seq), 0),
+        }, self.device)
+
+    def kv_block_bytes(self) -> int:
+        cfg = self.hf_config
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """CPU: config.num_kv_blocks (default 512). GPU: free memory x utilisation after a profile run."""
+        if self.config.num_kv_blocks is not None:
+            return int(self.config.num_kv_blocks)
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BLOCKS
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        used = total - free
+        # Budget: utilisation x total, minus what is in use, minus the forward's transient peak.
+        avail = total * float(self.config.gpu_memory_utilization) - used - (peak - current)
+        num_blocks = int(avail // self.kv_block_bytes())
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache (gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}, {avail / 2**30:.2f} GiB available)"
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.kv_block_bytes() / 2**30)
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One extra block at index num_blocks is reserved for dummy and capture batches."""
+        cfg = self.hf_config
+        shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size,
+                 cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, (layer_id, layer) in enumerate(sorted(self.attn_layers.items())):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+            assert layer_id == i
+        self.num_kv_blocks = num_blocks
+        self.dummy_block = num_blocks
+
+    # ---- inputs --------------------------------------------------------------------------
+    def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
+               q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
+               num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None
+               ) -> StepInputs:
+        """Copy host lists (already padded) into the persistent buffers and wrap them. A token
+        id -(j + 1) is a placeholder for pending_tokens[j] (the previous step's sampled ids,
+        on the device), filled in on the device."""
+        rows, nseq = len(rows_ids), len(ctx_lens)
+        if rows > self.max_num_rows or nseq > self.max_num_seqs:
+            raise ValueError(f"batch of {rows} rows / {nseq} sequences exceeds the runner's buffers "
+                             f"({self.max_num_rows} rows, {self.max_num_seqs} sequences)")
+        cu_q, cu_k = [0], [0]
+        for q, c in zip(q_lens, ctx_lens, strict=True):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + c)
+        staging = self.staging
+        staging.begin()
+        input_ids = staging.put("input_ids", rows_ids)
+        positions = staging.put("positions", rows_pos)
+        slot_mapping = staging.put("slot_mapping", rows_slot)
+        context_lens = staging.put("context_lens", ctx_lens)
+        cu_seqlens_q = staging.put("cu_seqlens_q", cu_q)
+        cu_seqlens_k = staging.put("cu_seqlens_k", cu_k)
+        # Only the real rows' own blocks are written: kernels never read past a context's
+        # blocks, and padded sequences (context 0) read none.
+        staging.put_rows("block_tables", tables)
+        staging.flush(gather=("input_ids", pending_tokens) if pending_tokens is not None
+                      else None)
+        bt = self.forward_vars["block_tables"]
+        meta = AttentionMetaData(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),
+            slot_mapping=slot_mapping, context_lens=context_lens, block_tables=bt[:nseq],
+            num_seqs=num_seqs, num_rows=num_rows,
+            extra={"decode": not is_prefill},
+        )
+        context = Context(positions=positions, is_prefill=is_prefill, batch_size=num_seqs,
+                          running_bs=nseq, running_tokens=rows)
+        return input_ids, positions, meta, context
+
+    def prepare_inputs(self, batch: StepBatch, pad_to_rows: int | None = None,
+                       pad_to_seqs: int | None = None, pending_tokens: torch.Tensor | None = None
+                       ) -> StepInputs:
+        """Rows for each sequence's scheduled tokens; padding rows have token 0, position 0, slot -1.
+
+        Decode (one row per sequence): padding adds sequences of one row with context length 0,
+        so row r always belongs to sequence r. Prefill: padding rows belong to no sequence and
+        padded sequences have no rows. A row whose token is PENDING_TOKEN takes it from
+        `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
+        `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
+        """
+        seqs, is_prefill = batch.seqs, batch.is_prefill
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        pending = 0
+        for seq in seqs:
+            start = seq.start
+            n = len(seq.token_ids)
+            end = start + n
+            ids.extend(seq.token_ids)
+            # Only a sequence's last token can be pending: the host reads a step's tokens
+            # before the step after next is prepared.
+            last_pending = seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN
+            # Any other negative id would be taken for a placeholder: refuse it here.
+            if n and min(ids[len(ids) - n:len(ids) - 1 if last_pending else None],
+                         default=0) < 0:
+                raise ValueError(f"request {seq.request_id!r}: a token of its scheduled range "
+                                 "is still on the device and no sampled row is named for it")
+            if last_pending:
+                ids[-1] = -(seq.pending_src + 1)
+                pending += 1
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            q_lens.append(n)
+            ctx_lens.append(end)
+            tables.append(table)
+        num_rows, num_seqs = len(ids), len(seqs)
+        if is_prefill:
+            rows = max(num_rows, pad_to_rows or 0)
+            nseq = max(num_seqs, pad_to_seqs or 0)
+            q_pad = [0] * (nseq - num_seqs)
+        else:
+            rows = nseq = max(num_rows, num_seqs, pad_to_rows or 0, pad_to_seqs or 0)
+            q_pad = [1] * (nseq - num_seqs)
+        pad = rows - num_rows
+        if pending and pending_tokens is None:
+            raise ValueError(f"{pending} rows wait for sampled tokens, none given")
+        return self._build(ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, q_lens + q_pad,
+                           ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
+                           num_rows, pending_tokens if pending else None)
+
+    def build_dummy_decode(self, num_seqs: int, q_len: int = 1) -> StepInputs:
+        """A fake decode batch for capture and warm-up: every sequence lives in the reserved block."""
+        return self._build_dummy(num_seqs, q_len, is_prefill=False)
+
+    def _build_dummy(self, num_seqs: int, q_len: int, is_prefill: bool) -> StepInputs:
+        if self.dummy_block < 0:
+            raise RuntimeError("allocate_kv_cache() first: dummy batches write into its reserved block")
+        if not 1 <= q_len <= self.block_size:
+            raise ValueError(f"dummy q_len must be in 1..{self.block_size}, got {q_len}")
+        base = self.dummy_block * self.block_size
+        rows = num_seqs * q_len
+        pos = list(range(q_len)) * num_seqs
+        slots = [base + p for p in pos]
+        return self._build([0] * rows, pos, slots, [q_len] * num_seqs, [q_len] * num_seqs,
+                           [[self.dummy_block]] * num_seqs, is_prefill, num_seqs, rows)
+
+    # ---- forward -------------------------------------------------------------------------
+    def _context_kwargs(self, meta: AttentionMetaData, context: Context) -> dict[str, Any]:
+        return dict(attn_metadata=meta, atom_config=self.config, context=context,
+                    num_tokens=context.running_tokens, no_compile_layers=self.attn_layers)
+
+    def set_context(self, meta: AttentionMetaData, context: Context) -> None:
+        """Install the step's forward context (with this runner's attention layers)."""
+        set_forward_context(**self._context_kwargs(meta, context))
+
+    def step_context(self, meta: AttentionMetaData, context: Context
+                     ) -> AbstractContextManager[ForwardContext]:
+        """The step's forward context for a with-block, reset afterwards."""
+        return forward_context(**self._context_kwargs(meta, context))
+
+    def run_model(self, input_ids: torch.Tensor, logits_indices: torch.Tensor | int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states for the step in the forward context, and logits for logits_indices
+        (an int n: the first n rows; None: every row)."""
+        forward_context = get_forward_context()
+        context = forward_context.context
+        positions = context.positions
+        hidden_states = None
+        if self.graph_runner is not None:
+            # Replays when a recorded bucket serves this step (None: run it eagerly).
+            hidden_states = self.graph_runner.maybe_replay(self, input_ids)
+        if hidden_states is None:
+            hidden_states = self.model(input_ids, positions)
+            counters.inc("eager_steps")
+        if logits_indices is None:
+            selected = hidden_states
+        elif isinstance(logits_indices, int):
+            selected = hidden_states[:logits_indices]  # a view: no gather kernel
+        else:
+            selected = hidden_states[logits_indices]
+        return self.model.compute_logits(selected), hidden_states
+
+    @staticmethod
+    def _logits_indices(batch: StepBatch) -> list[int]:
+        """The last row of each sequence whose tokens are all computed after this step."""
+        idx, row = [], 0
+        for seq in batch.seqs:
+            row += len(seq.token_ids)
+            if seq.samples:
+                idx.append(row - 1)
+        return idx
+
+    def logits_rows(self, idx: list[int]) -> torch.Tensor | int:
+        """run_model's logits_indices for these rows: a count when they are the first rows in
+        order (every decode step: no index copy, no gather), else the indices on the device."""
+        if idx == list(range(len(idx))):
+            return len(idx)
+        return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """Run one scheduled step; returns logits [n, vocab] (the model's dtype) and the
+        indices in batch.seqs of the n sequences to sample. pending_tokens: the previous
+        step's sampled ids on the device, for rows whose token the host has not read yet
+        (prepare_inputs)."""
+        pad_rows = pad_seqs = None
+        if self.graph_runner is not None:
+            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill)
+        input_ids, _, meta, context = self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens)
+        indices = self.logits_rows(self._logits_indices(batch))
+        with self.step_context(meta, context):
+            logits, _ = self.run_model(input_ids, indices)
+        return logits, batch.sampled()
+
+    @torch.inference_mode()
+    def dummy_run(self, num_rows: int, is_prefill: bool) -> None:
+        """A forward over the reserved block (warm-up, compilation); no real cache is touched."""
+        q_len = min(self.block_size, num_rows) if is_prefill else 1
+        num_seqs = _cdiv(num_rows, q_len)
+        input_ids, _, meta, context = self._build_dummy(num_seqs, q_len, is_prefill)
+        with self.step_context(meta, context):
+            self.run_model(input_ids)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest prefill the scheduler can produce, before the KV cache exists."""
+        rows = self.max_num_rows
+        context = Context(positions=self.forward_vars["positions"][:rows], is_prefill=True,
+                          batch_size=1, running_bs=1, running_tokens=rows)
+        with self.step_context(AttentionMetaData(num_rows=rows), context):
+            # The backbone's plain forward: eager, so profiling neither compiles nor records.
+            backbone = self.model.model
+            hidden = backbone.forward(self.forward_vars["input_ids"][:rows],
+                                      self.forward_vars["positions"][:rows])
+            self.model.compute_logits(hidden[: self.max_num_seqs])
+
+    def warmup_model(self) -> float:
+        """Trigger compilation (levels 2-3) on a prefill-sized and a decode-sized batch; >= 2 rows
+        where the limits allow, so no dimension specialises to 1. A dummy prefill sequence
+        fills at most the one reserved block, so it takes at most max_num_seqs of them."""
+        t0 = time.perf_counter()
+        self.compile_prefetch.wait()
+        prefill_rows = min(self.max_num_rows, self.block_size * min(2, self.max_num_seqs))
+        self.dummy_run(max(2, prefill_rows), is_prefill=True)
+        self.dummy_run(min(self.max_num_seqs, 8), is_prefill=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def capture_cudagraph(self) -> tuple[float, list[int]]:
+        """Delegates to the CUDA-graph engine; without one nothing is captured."""
+        if self.graph_runner is not None:
+            return self.graph_runner.capture(self)
+        return 0.0, []

@@ -1,0 +1,181 @@
+"""The runtime's layout: the guide's import paths still work, and imports point downwards.
+
+The import-direction rules are those of docs/architecture.md ("Packages and their allowed
+imports"); they are checked on the source with `ast`, so an import inside a function counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime" / "atom"
+
+# Every import path of the guide's quick-reference and source-files tables, with its names,
+# and the other old paths that now re-export the new packages.
+GUIDE_PATHS = {
+    "atom.config": ["CompilationLevel", "CompilationConfig", "CUDAGraphMode", "Config"],
+    "atom.utils.region_graph": [
+        "TokenGraph",
+        "ReqGraph",
+        "eager_region",
+        "token_graph",
+        "graph_pool",
+    ],
+    "atom.utils.forward_context": [
+        "ForwardContext",
+        "Context",
+        "AttentionMetaData",
+        "DPMetadata",
+        "set_forward_context",
+        "get_forward_context",
+    ],
+    "atom.utils.backends": [
+        "VllmBackend",
+        "CompilerManager",
+        "SplitItem",
+        "split_graph",
+        "PiecewiseCompileInterpreter",
+    ],
+    "atom.utils.compiler_inferface": [
+        "CompilerInterface",
+        "InductorAdaptor",
+        "InductorStandaloneAdaptor",
+        "AlwaysHitShapeEnv",
+    ],
+    "atom.utils.cuda_piecewise_backend": ["PiecewiseBackend", "ConcreteSizeEntry"],
+    "atom.utils.decorators": [
+        "support_torch_compile",
+        "TorchCompileWrapperWithCustomDispatcher",
+        "start_monitoring_torch_compile",
+    ],
+    "atom.utils.custom_register": ["direct_register_custom_op", "aiter_lib"],
+    "atom.model_engine.model_runner": ["ModelRunner"],
+}
+OLD_PATHS = {
+    "atom.utils.compiler_interface": ("atom.compilation.compiler_interface", ["make_compiler"]),
+    "atom.utils.compile_hash": ("atom.compilation.hashing", ["compute_cache_hash"]),
+    "atom.utils.warm_start": ("atom.compilation.warm_start", ["TracedGraph", "WarmStartMiss"]),
+    "atom.utils.compile_prefetch": ("atom.compilation.prefetch", ["CompilePrefetch"]),
+    "atom.utils.region_graph": ("atom.cudagraph.region_graph", ["TokenGraph", "record"]),
+    "atom.utils.backends": ("atom.compilation.backends", ["VllmBackend", "PiecewiseBackend"]),
+    "atom.utils.cuda_piecewise_backend": ("atom.compilation.backends", ["PiecewiseBackend"]),
+    "atom.utils.decorators": ("atom.compilation.decorators", ["support_torch_compile"]),
+    "atom.utils.custom_register": ("atom.compilation.custom_ops", ["direct_register_custom_op"]),
+    "atom.model_engine.graph_runner": ("atom.cudagraph.runner", ["GraphRunner", "ForwardMode"]),
+    "atom.model_engine.model_runner": ("atom.engine.model_runner", ["ModelRunner"]),
+    "atom.model_engine.host_staging": ("atom.engine.host_staging", ["HostStaging"]),
+}
+
+
+@pytest.mark.parametrize("module", sorted(GUIDE_PATHS))
+def test_guide_paths_import_with_their_names(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert [n for n in GUIDE_PATHS[module] if not hasattr(mod, n)] == []
+
+
+def test_guide_methods_exist() -> None:
+    from atom.model_engine.model_runner import ModelRunner
+
+    assert callable(ModelRunner.capture_cudagraph) and callable(ModelRunner.run_model)
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_old_paths_are_the_new_objects(old: str) -> None:
+    new, names = OLD_PATHS[old]
+    old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
+    for name in names:
+        assert getattr(old_mod, name) is getattr(new_mod, name), name
+
+
+# ----------------------------------------------------------------- import direction
+
+# package -> atom packages it may import (besides itself). Absent from the table: no rule.
+ALLOWED = {
+    "kernels": set(),
+    "router": {"wire"},  # torch-free: the router image needs none of the engine
+    "wire": set(),  # the torch-free contract: imports no other atom package
+    "layers": {"kernels", "compilation", "cudagraph", "utils", "config"},
+    "models": {"layers", "kernels", "compilation", "cudagraph", "utils", "config"},
+    "compilation": {"config", "utils"},
+    "cudagraph": {"config", "utils"},
+    "config": {"compilation"},  # compilation.levels only, checked below
+    "engine": {
+        "models",
+        "layers",
+        "kernels",
+        "compilation",
+        "cudagraph",
+        "disagg",
+        "utils",
+        "config",
+    },
+}
+# Modules below the scheduler: they never see a Sequence.
+BELOW_SCHEDULER = ["engine/model_runner.py", "engine/host_staging.py", "engine/batch.py"]
+LEAF_UTILS = ["utils/counters.py", "utils/forward_context.py"]
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m == "atom" or m.startswith("atom.")}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_packages_import_only_downwards(package: str) -> None:
+    files = (
+        sorted((RUNTIME / package).rglob("*.py"))
+        if (RUNTIME / package).is_dir()
+        else [RUNTIME / f"{package}.py"]
+    )
+    bad = []
+    for f in files:
+        for module in _imports(f):
+            target = _package(module)
+            if target and target != package and target not in ALLOWED[package]:
+                bad.append(f"{f.relative_to(RUNTIME)} imports {module}")
+    assert bad == []
+
+
+def test_config_takes_only_the_enums_from_compilation() -> None:
+    mods = {m for m in _imports(RUNTIME / "config.py") if _package(m) == "compilation"}
+    assert {m for m in mods if not m.startswith("atom.compilation.levels")} == set()
+
+
+@pytest.mark.parametrize("rel", BELOW_SCHEDULER)
+def test_the_runner_side_never_imports_the_scheduler_side(rel: str) -> None:
+    upward = (
+        "atom.engine.sequence",
+        "atom.engine.scheduler",
+        "atom.engine.llm_engine",
+        "atom.entrypoints",
+    )
+    assert [m for m in _imports(RUNTIME / rel) if m.startswith(upward)] == []
+
+
+@pytest.mark.parametrize("rel", LEAF_UTILS)
+def test_leaf_utils_import_no_atom_module(rel: str) -> None:
+    assert _imports(RUNTIME / rel) == set()
+
+
+def test_no_runtime_file_is_over_600_lines() -> None:
+    long = {
+        str(f.relative_to(RUNTIME)): n
+        for f in RUNTIME.rglob("*.py")
+        if (n := len(f.read_text().splitlines())) > 600
+    }
+    assert long == {}

@@ -1,0 +1,526 @@
+"""Automatic prefix caching: block keys, reference counts and LRU eviction in the block manager;
+exact hit counters; and the same greedy tokens with caching on and off (shared prefixes of 0, 1,
+partial and many blocks, preemption, aborts, chunked prefill, async and sync steps, P/D holds,
+eviction and recompute, and a level-3 compiled model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom.config import CompilationConfig, Config
+from atom.engine import LLMEngine, SamplingParams
+from atom.engine.block_manager import BlockManager
+from atom.engine.prefix_cache import hash_block, root_hash
+from atom.engine.scheduler import Scheduler
+from atom.engine.sequence import PENDING_TOKEN, Sequence
+
+BS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams())
+
+
+def _toks(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + 7 * j) % 250 + 3 for j in range(n)]
+
+
+# ---- block manager -------------------------------------------------------------------------------
+def test_keys_chain_over_every_block_before_and_the_model() -> None:
+    root = root_hash("model-a", "bfloat16")
+    a = hash_block(root, _toks(BS))
+    assert a == hash_block(root, _toks(BS))
+    assert a != hash_block(root_hash("model-b", "bfloat16"), _toks(BS))  # another model
+    assert a != hash_block(root_hash("model-a", "float16"), _toks(BS))  # another cache dtype
+    assert a != hash_block(root, _toks(BS), b"lora:1")  # extra keys (LoRA, multimodal, salt)
+    # the same tokens after another first block get another key
+    b1 = hash_block(a, _toks(BS, 1))
+    assert b1 != hash_block(hash_block(root, _toks(BS, 2)), _toks(BS, 1))
+
+
+def _registered(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:
+    """A sequence whose prompt was scheduled, computed and registered, then finished."""
+    s = _seq(rid, tokens)
+    hit = bm.match_prefix(s)
+    bm.admit(s, hit, len(tokens))
+    bm.record_lookup(s, len(hit) * BS)
+    s.num_computed_tokens = len(tokens)
+    bm.cache_blocks(s)
+    return s
+
+
+def test_hit_is_capped_below_the_last_token_and_refcounted() -> None:
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    prompt = _toks(3 * BS)
+    a = _registered(bm, "a", prompt)
+    assert bm.num_cached_blocks == 3 and bm.num_used_blocks == 3
+    # the same 48 tokens: at most (48 - 1) // 16 = 2 blocks, so the last token is computed
+    b = _seq("b", prompt)
+    hit = bm.match_prefix(b)
+    assert hit == a.block_table[:2]
+    bm.admit(b, hit, len(prompt))
+    assert b.num_computed_tokens == 32 and b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1]
+    bm.free(a)
+    assert bm.num_used_blocks == 3 and len(bm.evictable) == 1  # a's own third block: cached, idle
+    bm.free(b)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8 and bm.num_cached_blocks == 3
+    # 49 tokens: three blocks hit; a prompt of one block + 1 token hits one; of one block, none
+    assert len(bm.match_prefix(_seq("c", prompt + [5]))) == 3
+    assert len(bm.match_prefix(_seq("d", prompt[:BS]))) == 0
+    assert len(bm.match_prefix(_seq("e", prompt[:BS] + [9]))) == 1
+    assert len(bm.match_prefix(_seq("f", [9] + prompt[1:]))) == 0  # first token differs
+
+
+def test_cached_blocks_are_evicted_lru_only_when_the_pool_needs_them() -> None:
+    bm = BlockManager(4, BS, enable_prefix_caching=True)
+    old = _registered(bm, "old", _toks(2 * BS, 1))
+    old_blocks = list(old.block_table)
+    bm.free(old)
+    new = _registered(bm, "new", _toks(2 * BS, 2))
+    bm.free(new)
+    assert bm.num_free_blocks == 4 and len(bm.free_blocks) == 0 and bm.num_cached_blocks == 4
+    # one block needed: the least recently freed cached block goes (old's tail before its head)
+    s = _seq("s", _toks(BS, 3))
+    bm.grow(s, BS)
+    assert s.block_table == [old_blocks[1]] and bm.stats.evicted_blocks == 1
+    assert len(bm.match_prefix(_seq("o", _toks(2 * BS, 1) + [1]))) == 1  # old's head is still there
+    assert len(bm.match_prefix(_seq("n", _toks(2 * BS, 2) + [1]))) == 2
+
+
+def test_held_blocks_are_never_evicted() -> None:
+    bm = BlockManager(3, BS, enable_prefix_caching=True)
+    a = _registered(bm, "a", _toks(2 * BS))
+    held = list(a.block_table)
+    bm.acquire(held)  # a P/D hold's reference
+    bm.free(a)
+    assert bm.num_free_blocks == 1
+    s = _seq("s", _toks(3 * BS, 5))
+    assert not bm.can_grow(s, 2 * BS)
+    bm.grow(s, BS)
+    assert s.block_table[0] not in held
+    bm.release(held)  # the hold ended
+    assert bm.num_free_blocks == 2 and bm.num_cached_blocks == 2
+
+
+def test_blocks_with_a_pending_token_are_not_keyed() -> None:
+    bm = BlockManager(4, BS, enable_prefix_caching=True)
+    s = _seq("s", _toks(BS - 1) + [PENDING_TOKEN] + _toks(4))
+    bm.grow(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_blocks(s)
+    assert bm.num_cached_blocks == 0 and s.block_hashes == []
+    s.token_ids[BS - 1] = 77  # the host read it
+    bm.cache_blocks(s)
+    assert bm.num_cached_blocks == 1
+
+
+def test_disabled_manager_never_keys_or_hits() -> None:
+    bm = BlockManager(4, BS)
+    a = _registered(bm, "a", _toks(3 * BS))
+    bm.free(a)
+    assert bm.num_cached_blocks == 0 and bm.match_prefix(_seq("b", _toks(3 * BS))) == []
+    assert len(bm.free_blocks) == 4
+
+
+def test_hit_counters_are_exact_on_a_scripted_sequence() -> None:
+    """Queries count each request's prompt tokens once; hits its cached prompt tokens."""
+    bm = BlockManager(32, BS, enable_prefix_caching=True)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)
+    system = _toks(40, 9)  # two full blocks and 8 tokens
+
+    def run(rid: str, tokens: list[int]) -> Sequence:
+        seq = Sequence(rid, tokens, SamplingParams())
+        s.add(seq)
+        out = s.schedule()
+        assert out.seqs == [seq]
+        seq.num_computed_tokens += seq.num_scheduled_tokens
+        bm.cache_blocks(seq)
+        s.finish(seq, "stop")
+        return seq
+
+    script = [
+        ("cold", system + _toks(10, 1), 0),  # nothing cached yet
+        ("same-system", system + _toks(30, 2), 32),  # the system prompt's two full blocks
+        ("repeat", system + _toks(30, 2), 64),  # 70 tokens: (70 - 1) // 16 = 4 blocks
+        ("exact-block", system[:32], 16),  # 32 tokens: the last is computed, so one block
+        ("other", _toks(50, 3), 0),
+    ]
+    for rid, tokens, cached in script:
+        seq = run(rid, tokens)
+        assert seq.num_cached_tokens == cached, rid
+        assert seq.num_scheduled_tokens == 0 and seq.num_computed_tokens == len(tokens)
+    assert bm.stats.queries == sum(len(t) for _, t, _ in script)
+    assert bm.stats.hits == 32 + 64 + 16
+    assert (bm.stats.requests, bm.stats.requests_hit) == (5, 3)
+    assert bm.num_used_blocks == 0
+
+
+# ---- engine parity -------------------------------------------------------------------------------
+def _engine(prefix: bool, **kw) -> LLMEngine:
+    base = dict(
+        model="tiny-llama",
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        seed=3,
+        enable_prefix_caching=prefix,
+    )
+    base.update(kw)
+    engine = LLMEngine(Config(**base))
+    engine.warmup()
+    return engine
+
+
+SYSTEM = [1] + _toks(79, 4)  # five full blocks
+# Shared prefixes of 0, 1 token, a partial block (20 tokens), one block, many blocks.
+WAVES = [
+    [("a0", SYSTEM + _toks(7, 1)), ("b0", [2] + _toks(30, 2))],
+    [
+        ("a1", SYSTEM + _toks(9, 3)),
+        ("b1", [2] + _toks(11, 5)),
+        ("c1", SYSTEM[:20] + _toks(12, 6)),
+        ("d1", SYSTEM[:16] + _toks(5, 7)),
+    ],
+    [
+        ("a2", SYSTEM + _toks(7, 1)),
+        ("c2", SYSTEM[:20] + _toks(12, 6)),
+        ("e2", _toks(3, 8)),
+        ("f2", SYSTEM[:48]),
+    ],
+]
+
+
+def _run_waves(
+    engine: LLMEngine,
+    waves,
+    aborts: dict[str, int] | None = None,
+    params: SamplingParams = GREEDY,
+    held: int = 0,
+) -> dict[str, list[int]]:
+    """Each wave is added at once and run to completion; aborts: request id -> the step (of
+    its wave) at which it is aborted."""
+    got: dict[str, list[int]] = {}
+    for wave in waves:
+        for rid, prompt in wave:
+            engine.add_request(rid, prompt, params)
+            got[rid] = []
+        step = 0
+        while engine.has_unfinished_requests():
+            for rid, at in (aborts or {}).items():
+                if at == step and rid in got and rid in {r for r, _ in wave}:
+                    engine.abort_request(rid)
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            step += 1
+    assert engine.block_manager.num_used_blocks == held  # only P/D holds keep blocks
+    return got
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_same_tokens_with_caching_on_and_off(async_scheduling: bool) -> None:
+    off = _run_waves(_engine(False, async_scheduling=async_scheduling), WAVES)
+    on_engine = _engine(True, async_scheduling=async_scheduling)
+    on = _run_waves(on_engine, WAVES)
+    assert on == off
+    stats = on_engine.prefix_cache_stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_requests_hit"] >= 4
+
+
+def test_cached_tokens_reported_per_request() -> None:
+    engine = _engine(True)
+    seen: dict[str, int] = {}
+    for rid, prompt in [("x", SYSTEM + [5]), ("y", SYSTEM + [6, 7]), ("z", _toks(20, 9))]:
+        engine.add_request(rid, prompt, GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id] = out.num_cached_tokens
+    assert seen == {"x": 0, "y": 80, "z": 0}
+
+
+def test_preemption_chunked_prefill_and_aborts_keep_tokens() -> None:
+    """A small pool (preemption, eviction), a small token budget (chunked prefill over cached
+    prefixes) and aborts mid-prefill and mid-decode, against an engine without caching."""
+    kw = dict(num_kv_blocks=9, max_num_batched_tokens=32)
+    aborts = {"b1": 1, "d1": 4, "c2": 2}
+    off_engine = _engine(False, **kw)
+    off = _run_waves(off_engine, WAVES, aborts)
+    on_engine = _engine(True, **kw)
+    on = _run_waves(on_engine, WAVES, aborts)
+    for rid in off:
+        if rid not in aborts:
+            assert on[rid] == off[rid], rid
+            assert len(on[rid]) == GREEDY.max_tokens
+    assert on_engine.scheduler.num_preemptions > 0
+    assert on_engine.block_manager.stats.evicted_blocks > 0
+    assert on_engine.block_manager.stats.hits > 0
+
+
+def test_a_request_after_eviction_recomputes_correctly() -> None:
+    engine = _engine(True, num_kv_blocks=10)
+    first = _run_waves(engine, [[("p", SYSTEM + [3])]])["p"]
+    assert engine.block_manager.num_cached_blocks == 5
+    _run_waves(engine, [[(f"o{i}", [2 + i] + _toks(100, i)) for i in range(2)]])  # fill the pool
+    assert engine.block_manager.stats.evicted_blocks > 0
+    assert len(engine.block_manager.match_prefix(Sequence("q", SYSTEM + [3], GREEDY))) < 5
+    engine.add_request("again", SYSTEM + [3], GREEDY)
+    got: list[int] = []
+    cached = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.extend(out.new_token_ids)
+            cached = out.num_cached_tokens
+    assert got == first and cached is not None and cached < 80
+
+
+def test_seeded_sampling_is_the_same_with_a_cached_prefix() -> None:
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=4, max_tokens=6, ignore_eos=True)
+    waves = [[("s0", SYSTEM + [4])], [("s1", SYSTEM + [4]), ("s2", SYSTEM[:40] + [8])]]
+    assert _run_waves(_engine(True), waves, params=seeded) == _run_waves(
+        _engine(False), waves, params=seeded
+    )
+
+
+def test_prefill_holds_share_cached_blocks_and_are_not_evicted() -> None:
+    """A prefill-role request keeps its prompt's blocks (a P/D hold): they stay in use while
+    held, other prompts hit them, and they return to the pool when the hold ends."""
+    engine = _engine(True, num_kv_blocks=12)
+    engine.add_request(
+        "h", SYSTEM + [9], SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    held = engine.kv_holds._holds["h"].block_ids
+    assert len(held) == 6 and engine.block_manager.num_used_blocks == 6
+    expected = _run_waves(_engine(False), [[("q", SYSTEM + [1, 2])]])["q"]
+    # another prompt with the same system prompt hits the held blocks; pressure evicts nothing held
+    engine.add_request("q", SYSTEM + [1, 2], GREEDY)
+    got: list[int] = []
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.extend(out.new_token_ids)
+            cached = out.num_cached_tokens
+    assert got == expected and cached == 80
+    _run_waves(engine, [[("big", [2] + _toks(79, 3))]], held=6)  # needs all 6 other blocks
+    assert all(engine.block_manager.ref_counts[b] >= 1 for b in held)
+    assert engine.kv_holds.release("h")
+    assert engine.reclaim_kv() == 6
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_pulled_blocks_are_registered() -> None:
+    """A decode instance's pulled prompt (add_prefilled_request) becomes cached blocks too."""
+    import torch
+
+    src = _engine(True)
+    src.add_request("p", SYSTEM + [5], SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    first: list[int] = []
+    while src.has_unfinished_requests():
+        for out in src.step():
+            first.extend(out.new_token_ids)
+    blocks = src.kv_holds._holds["p"].block_ids
+    payload = torch.stack([src.runner.kv_cache[:, :, b] for b in blocks])
+    dst = _engine(True)
+    # the prefill instance's hit travels in the handle and is reported by the decode instance
+    dst.add_prefilled_request("p", SYSTEM + [5], first[0], GREEDY, payload, cached_tokens=64)
+    reported = set()
+    while dst.has_unfinished_requests():
+        reported |= {out.num_cached_tokens for out in dst.step() if out.request_id == "p"}
+    assert reported == {64}
+    assert dst.block_manager.num_cached_blocks >= 5
+    expected = _run_waves(_engine(False), [[("r", SYSTEM + [6])]])["r"]
+    got = _run_waves(dst, [[("r", SYSTEM + [6])]])["r"]
+    assert got == expected and dst.block_manager.stats.hits == 80
+
+
+def test_handle_carries_cached_tokens() -> None:
+    from atom.disagg.handle import KVHandle
+
+    h = KVHandle("h", None, 8001, "id", "m", 2, [1, 2, 3], 7, cached_tokens=16)
+    assert KVHandle.from_dict(h.to_dict()).cached_tokens == 16
+    old = {k: v for k, v in h.to_dict().items() if k != "cached_tokens"}  # an older prefill
+    assert KVHandle.from_dict(old).cached_tokens == 0
+
+
+def test_level_3_compiled_model_same_tokens_with_caching() -> None:
+    kw = dict(compilation_config=CompilationConfig(level=3), max_num_batched_tokens=48)
+    waves = WAVES[:2]
+    on = _run_waves(_engine(True, **kw), waves)
+    off = _run_waves(_engine(False, **kw), waves)
+    assert on == off
+
+
+# ---- server: usage, /metrics, /status --------------------------------------------------------------
+def test_openai_client_sees_cached_tokens_and_metrics_count_them() -> None:
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_proc import start_server
+
+    proc = start_server("--num-kv-blocks", "64", "--max-num-seqs", "4", "--max-model-len", "256")
+    try:
+        proc.wait_healthy()
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = SYSTEM + [7, 8]  # 82 tokens: five full blocks can be cached
+        first = client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0
+        )
+        again = client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0
+        )
+        assert first.usage.prompt_tokens == again.usage.prompt_tokens == 82
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == 80
+        assert again.choices[0].text == first.choices[0].text
+        stream = client.completions.create(
+            model="tiny-llama",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = [c.usage for c in stream if c.usage is not None]
+        assert usage[-1].prompt_tokens_details.cached_tokens == 80
+        text = httpx.get(proc.url + "/metrics").text
+        values = {
+            s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+        }
+        assert values["atom_prefix_cache_queries_total"] == 3 * 82
+        assert values["atom_prefix_cache_hits_total"] == 2 * 80
+        assert values["atom_prefix_cache_requests_hit_total"] == 2
+        assert values["atom_kv_blocks_cached"] >= 5 and "atom_kv_blocks_cached_idle" in values
+        status = httpx.get(proc.url + "/status").json()
+        assert status["enable_prefix_caching"] is True
+        assert status["prefix_cache"]["hit_rate"] == round(160 / 246, 4)
+    finally:
+        proc.stop()
+
+
+def test_cli_turns_prefix_caching_off() -> None:
+    from atom.cli.args import build_parser
+    from atom.cli.config import config_from_args
+
+    parser = build_parser()
+    on = config_from_args(parser.parse_args(["serve", "--model", "tiny-llama"]))
+    off = config_from_args(
+        parser.parse_args(["serve", "--model", "tiny-llama", "--no-enable-prefix-caching"])
+    )
+    assert on.enable_prefix_caching is True and off.enable_prefix_caching is False
+    # not a compile input: the compile cache is shared by both settings
+    assert on.compile_hash_factors() == off.compile_hash_factors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "TR_HYBRID"])
+def test_cuda_graphs_same_tokens_with_caching(level: int, mode: str) -> None:
+    """On CUDA a prefill starting at a cached offset runs eagerly or on a prefill token bucket
+    (the Triton prefill kernel reads the cached blocks through the block table), and a prompt
+    left with one token to compute can ride a decode graph: tokens equal caching off, and the
+    graphs did replay."""
+    import torch
+
+    from atom.utils.counters import counters
+
+    def make(prefix: bool) -> LLMEngine:
+        cc = CompilationConfig(
+            level=level, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8]
+        )
+        return _engine(
+            prefix,
+            device="cuda",
+            max_num_seqs=8,
+            num_kv_blocks=None,
+            gpu_memory_utilization=0.3,
+            compilation_config=cc,
+        )
+
+    waves = [*WAVES, [("g1", SYSTEM + [11]), ("g2", SYSTEM[:32] + [12])]]
+    off = _run_waves(make(False), waves)
+    with counters.track() as run:
+        on = _run_waves(make(True), waves)
+    assert on == off
+    assert run.get("graph_replays", 0) > 0
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_next_turn_hits_blocks_written_by_decode_and_a_stop(async_scheduling: bool) -> None:
+    """A chat's next turn is the last prompt + its reply + a new message: it hits blocks filled
+    by decode steps (whose tokens were pending when launched), including the block whose last
+    slot holds the stop token (under async scheduling that key/value was written by a step
+    launched before the stop was read)."""
+    prompt = [1] + _toks(28, 5)  # 29 tokens: output index 2 lands on position 31, a block's end
+    on, off = _engine(True, async_scheduling=async_scheduling), _engine(False)
+    full = off.generate([prompt], GREEDY)[0]
+    stop = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[full[2]])
+    ended = on.generate([prompt], stop)[0]
+    assert ended == full[: full.index(full[2]) + 1]
+    turn2 = prompt + ended + _toks(5, 6)
+    expected = off.generate([turn2], GREEDY)[0]
+    before = on.block_manager.stats.hits
+    assert on.generate([turn2], GREEDY)[0] == expected
+    hit = on.block_manager.stats.hits - before
+    # the stop token's key/value exists only if a step computed it: under async scheduling the
+    # step launched before the stop was read did; synchronously nothing does
+    computed = len(prompt) + len(ended) - (0 if async_scheduling else 1)
+    assert hit == 16 * (computed // 16)
+    long_reply = on.generate(
+        [turn2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )[0]
+    turn3 = turn2 + long_reply + [9]
+    before = on.block_manager.stats.hits
+    assert on.generate([turn3], GREEDY)[0] == off.generate([turn3], GREEDY)[0]
+    assert on.block_manager.stats.hits - before >= 16 * ((len(turn2) + 30) // 16)
+
+
+def test_randomized_arrivals_stops_aborts_and_preemption_match_caching_off() -> None:
+    """A scripted mix (fixed seed): shared prefixes of several lengths, arrivals at random
+    steps, stop tokens, aborts and a pool small enough to preempt and evict."""
+    import random
+
+    rng = random.Random(11)
+    bases = [[1] + _toks(n, s) for s, n in ((1, 47), (2, 20), (3, 70))]
+    reqs = []
+    for i in range(14):
+        base = rng.choice(bases)
+        prompt = base[: rng.randrange(1, len(base) + 1)] + _toks(rng.randrange(0, 12), 20 + i)
+        stops = [rng.randrange(3, 250) for _ in range(3)]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=rng.randrange(1, 14), stop_token_ids=stops, ignore_eos=True
+        )
+        reqs.append((f"r{i}", prompt, params, rng.randrange(0, 30)))
+    aborts = {"r3": 6, "r8": 20}
+
+    def run(prefix: bool) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = _engine(prefix, num_kv_blocks=10, max_num_batched_tokens=40)
+        got: dict[str, list[int]] = {rid: [] for rid, *_ in reqs}
+        step = 0
+        while step <= 30 or engine.has_unfinished_requests():
+            for rid, prompt, params, at in reqs:
+                if at == step:
+                    engine.add_request(rid, prompt, params)
+            for rid, at in aborts.items():
+                if at == step:
+                    engine.abort_request(rid)
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            step += 1
+            assert step < 2000
+        assert engine.block_manager.num_used_blocks == 0
+        return got, engine
+
+    on, on_engine = run(True)
+    off, off_engine = run(False)
+    assert {k: v for k, v in on.items() if k not in aborts} == {
+        k: v for k, v in off.items() if k not in aborts
+    }
+    assert on_engine.block_manager.stats.hits > 0
+    assert on_engine.scheduler.num_preemptions + off_engine.scheduler.num_preemptions > 0
