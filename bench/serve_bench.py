@@ -79,6 +79,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def result_counts(results: list[RequestResult], wall: float) -> dict[str, Any]:
+    """The counts every bench reports (prefix_bench too): requests, failures, output tokens."""
+    ok = [r for r in results if r.ok]
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "wall_s": round(wall, 3),
+        "output_tokens": sum(r.output_tokens for r in ok),
+    }
+
+
 def prompts_for(sc: Scenario, seed: int) -> list[list[int]]:
     """Token-id prompts valid in any vocabulary of >= 256 ids, the same for served and offline."""
     rng = random.Random(seed * 7919 + sc.clients * 31 + sc.prompt_len)
@@ -184,11 +196,7 @@ def run_served(url: str, model: str, sc: Scenario, seed: int, procs: int) -> dic
     ttft = [r.ttft_s * 1000 for r in ok]
     itl = [x * 1000 for r in ok for x in r.itl_s]
     return {
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "wall_s": round(wall, 3),
-        "output_tokens": tokens,
+        **result_counts(results, wall),
         "tok_s": round(tokens / wall, 1) if wall > 0 else 0.0,
         "tokens_per_event": round(tokens / max(1, sum(r.events for r in ok)), 3),
         "ttft_ms": {"p50": round(percentile(ttft, 50), 3), "p99": round(percentile(ttft, 99), 3)},
