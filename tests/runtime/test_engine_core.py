@@ -380,3 +380,49 @@ def test_two_api_servers_share_one_core_and_the_api_key() -> None:
         assert proc.terminate() == 0
     finally:
         proc.stop()
+
+
+def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hold() -> None:
+    """harden's hold cap and release, where the holds live after the split (no sockets)."""
+    from types import SimpleNamespace
+
+    from atom.disagg.holds import HoldCap, HoldCapExceeded
+    from atom.disagg.trust import TransferKeys
+    from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
+    from atom.entrypoints.core.messages import AddRequest, Sampling, encoder
+
+    released: list[str] = []
+
+    class Service:
+        cap, keys = HoldCap(0.5), TransferKeys()
+
+        def reserve(self, n: int):
+            return self.cap.reserve(n, held=0, total_blocks=10)
+
+        def release_local(self, rid: str) -> bool:
+            released.append(rid)
+            return True
+
+    added: list[str] = []
+    engine = SimpleNamespace(add_request=lambda rid, *a, **k: added.append(rid))
+    core = EngineCore(build=lambda: engine, endpoints=CoreEndpoints("", []), context=None)
+    core.engine, core.params_cls = engine, dict
+    core.kv = SimpleNamespace(service=Service())
+    core._outs, core._enc = [], encoder()  # _send drops what it cannot route
+    for rid, n in (("a", 3), ("b", 2), ("c", 1)):
+        core._owner[rid] = 0
+        core._add_now(AddRequest(rid, 0, list(range(n)), Sampling(), hold_kv=True), None)
+    assert added == ["a", "b"] and core.kv.service.cap.reserved == 5  # "c" met the cap
+    assert core.kv.service.cap.refused == 1 and core._stats_due
+    with pytest.raises(HoldCapExceeded):
+        core.kv.service.reserve(1)
+    done = SimpleNamespace(
+        request_id="a", finished=True, new_token_ids=[1], new_logprobs=None,
+        finish_reason="length", num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=2,
+    )  # fmt: skip
+    out = core._req_out(done)  # its hold is registered: the room goes back, the secret comes
+    assert out.kv_secret == core.kv.service.keys.secret_for("a") and out.num_cached_tokens == 2
+    assert core.kv.service.cap.reserved == 2
+    core.engine.abort_request = lambda rid: None
+    core._drop_hold("b")  # its API handler was cancelled
+    assert released == ["b"] and core.kv.service.cap.reserved == 0
