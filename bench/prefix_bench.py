@@ -40,7 +40,13 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import RequestResult, git_commit, one_request, percentile  # noqa: E402
+from serve_bench import (  # noqa: E402
+    RequestResult,
+    git_commit,
+    one_request,
+    percentile,
+    result_counts,
+)
 from serve_bench import start_server as start_bench_server  # noqa: E402
 
 QUICK = {
@@ -70,11 +76,7 @@ def _summary(results: list[RequestResult], wall: float, prompt_tokens: int) -> d
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     return {
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "wall_s": round(wall, 3),
-        "output_tokens": tokens,
+        **result_counts(results, wall),
         "prompt_tokens": prompt_tokens,
         "throughput_tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
         "prompt_throughput_tok_s": round(prompt_tokens / wall, 2) if wall > 0 else 0.0,
@@ -87,9 +89,27 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 250) for _ in range(n)]  # valid in any vocabulary >= 256
 
 
-def _client(clients: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits)
+def _client(clients: int) -> Any:
+    """serve_bench.one_request's aiohttp session."""
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(limit=clients + 4)
+    return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def _request(
+    c: Any, url: str, model: str, prompt: list[int], max_tokens: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 1,
+        "temperature": 0.0,
+    }
+    return await one_request(c, url, body)
 
 
 async def zero_hit(url: str, model: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -98,7 +118,7 @@ async def zero_hit(url: str, model: str, args: argparse.Namespace, seed: int) ->
     async with _client(args.clients) as c:
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *(one_request(c, url, model, p, args.zero_hit_tokens) for p in prompts)
+            *(_request(c, url, model, p, args.zero_hit_tokens) for p in prompts)
         )
         wall = time.perf_counter() - t0
     return _summary(list(results), wall, sum(map(len, prompts)))
@@ -119,7 +139,7 @@ async def multi_turn(url: str, model: str, args: argparse.Namespace, seed: int) 
             for turn in range(args.turns):
                 prompt += _ids(own, args.user_len)
                 prompt_tokens += len(prompt)
-                per_turn[turn].append(await one_request(c, url, model, prompt, args.max_tokens))
+                per_turn[turn].append(await _request(c, url, model, prompt, args.max_tokens))
                 prompt += _ids(own, args.max_tokens)  # the reply, as history
 
         t0 = time.perf_counter()
@@ -133,8 +153,8 @@ async def multi_turn(url: str, model: str, args: argparse.Namespace, seed: int) 
 async def repeated(url: str, model: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     prompt = _ids(random.Random(seed), args.repeat_len)
     async with _client(1) as c:
-        first = await one_request(c, url, model, prompt, 1)
-        second = await one_request(c, url, model, prompt, 1)
+        first = await _request(c, url, model, prompt, 1)
+        second = await _request(c, url, model, prompt, 1)
     a, b = first.ttft_s * 1000, second.ttft_s * 1000
     return {
         "prompt_len": args.repeat_len,
@@ -158,17 +178,20 @@ def run_server(args: argparse.Namespace, caching: bool) -> dict[str, Any]:
     if not caching:
         extra.append("--no-enable-prefix-caching")
     ns = argparse.Namespace(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
         port=args.port,
-        clients=[args.clients],
-        level=args.level,
-        server_arg=extra + list(args.server_arg),
         server_log=f"{args.server_log}.{'on' if caching else 'off'}",
         start_timeout=args.start_timeout,
     )
-    proc, url = start_bench_server(ns)
+    server_args = [
+        f"--model={args.model}",
+        f"--load-format={args.load_format}",
+        f"--dtype={args.dtype}",
+        f"--max-num-seqs={args.clients * 2}",
+        *([f"--level={args.level}"] if args.level is not None else []),
+        *extra,
+        *args.server_arg,
+    ]
+    proc, url = start_bench_server(ns, server_args)
     try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         status = httpx.get(url + "/status", timeout=10).json()

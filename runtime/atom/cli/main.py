@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
@@ -24,47 +23,10 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def kv_service(args: Any) -> Any:
-    """The instance's KV transfer side: a prefill serves its blocks (on 8001 unless told)."""
-    import os
-
-    from atom.disagg.service import DEFAULT_KV_PORT, KVService
-
-    port = args.kv_port
-    if port is None and args.role == "prefill":
-        port = DEFAULT_KV_PORT
-    return KVService(
-        host=args.kv_host or args.host,  # the operator renders --kv-host $(POD_IP)
-        port=port,
-        advertise_host=args.kv_host or os.environ.get("ATOM_KV_HOST") or None,
-        hold_seconds=args.kv_hold_seconds,
-        pull_timeout=args.kv_pull_timeout,
-        max_held_fraction=args.max_held_kv_fraction,
-    )
-
-
 def run_serve(args: Any) -> int:
-    from atom.entrypoints.api_server import engine_builder, serve
-    from atom.entrypoints.async_engine import AsyncEngine
-    from atom.entrypoints.server import ServerState
+    from atom.entrypoints.launcher import run_serve as serve
 
-    config = config_from_args(args)
-
-    async def main() -> int:
-        # The engine's builder fills the state's tokenizer and limits once the model is known.
-        engine = AsyncEngine(lambda: build())
-        state = ServerState(
-            engine=engine,
-            served_model_name=config.served_model_name or config.model,
-            model=config.model,
-            max_waiting=args.max_waiting,
-            role=config.role,
-            kv=kv_service(args),
-        )
-        build = engine_builder(config, state)
-        return await serve(state, args.host, args.port)
-
-    return asyncio.run(main())
+    return serve(args, config_from_args(args))
 
 
 def run_warmup(args: Any) -> int:

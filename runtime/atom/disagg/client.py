@@ -21,6 +21,7 @@ from atom.disagg import wire
 from atom.disagg.handle import KVHandle
 from atom.disagg.kv_blocks import as_bytes, new_staging
 from atom.disagg.layout import KVLayout
+from atom.wire import errors as codes
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ _TRANSPORT_ERRORS = (OSError, TimeoutError)  # TransferCut is a ConnectionError
 
 
 class KVTransferError(Exception):
-    def __init__(self, message: str, code: str = "kv_transfer_failed", retryable: bool = False):
+    def __init__(self, message: str, code: str = codes.KV_TRANSFER_FAILED, retryable: bool = False):
         super().__init__(message)
         self.message, self.code, self.retryable = message, code, retryable
 
@@ -121,7 +122,7 @@ async def _pull_once(handle: KVHandle, layout: KVLayout, io_timeout: float) -> t
             raise KVTransferError(
                 f"the prefill instance at {handle.address} speaks KV wire version {version}, "
                 f"this decode instance version {wire.WIRE_VERSION}",
-                code="kv_version_mismatch",
+                code=codes.KV_VERSION_MISMATCH,
             )
         if kind != wire.OK:
             name = wire.ERROR_NAMES.get(kind, str(kind))
@@ -148,7 +149,7 @@ def _check_header(handle: KVHandle, layout: KVLayout, head: dict[str, Any]) -> t
     why = layout.mismatch(theirs, mine="this decode instance", theirs="the prefill instance")
     if why:
         raise KVTransferError(f"refusing KV blocks from {handle.address}: {why}",
-                              code="kv_mismatch")  # fmt: skip
+                              code=codes.KV_MISMATCH)  # fmt: skip
     n, tokens = head.get("num_blocks"), head.get("num_tokens")
     if (
         n != handle.num_blocks
@@ -158,6 +159,6 @@ def _check_header(handle: KVHandle, layout: KVLayout, head: dict[str, Any]) -> t
         raise KVTransferError(
             f"the prefill instance at {handle.address} offers {n} blocks for {tokens} tokens; "
             f"the handle says {handle.num_blocks} blocks for {len(handle.prompt_token_ids)}",
-            code="kv_bad_request",
+            code=codes.KV_BAD_REQUEST,
         )
     return new_staging(layout, n)

@@ -18,11 +18,12 @@ from atom.disagg.holds import HoldCap, Reservation
 from atom.disagg.kv_blocks import engine_layout
 from atom.disagg.layout import KVLayout
 from atom.disagg.server import KVServer, KVSource
-from atom.disagg.trust import TransferKeys
+from atom.wire.kv_modes import DEFAULT_KV_PORT
+from atom.wire.trust import TransferKeys
+
+__all__ = ["DEFAULT_KV_PORT", "KVService"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_PORT = 8001
 
 
 @dataclass
@@ -91,24 +92,9 @@ class KVService:
             return False
         return self.engine.kv_holds.release(handle)
 
-    # ---- prefill side ---------------------------------------------------------------------------
-    def make_handle(
-        self, request_id: str, prompt_ids: list[int], first_token: int, logprob: float | None
-    ) -> KVHandle:
-        assert self.layout is not None
-        return KVHandle(
-            handle=request_id,
-            kv_host=self.advertise_host,
-            kv_port=self.bound_port,
-            identity=self.layout.identity,
-            model=self.layout.model,
-            num_blocks=self.layout.blocks_for(len(prompt_ids)),
-            prompt_token_ids=list(prompt_ids),
-            first_token_id=first_token,
-            first_logprob=logprob,
-            expires_in=self.hold_seconds,
-            secret=self.keys.secret_for(request_id),
-        )
+    def release_verified(self, handle: str, secret: object) -> bool:
+        """POST /internal/kv/release: drop a hold only for its per-transfer secret."""
+        return self.keys.verify(handle, secret) and self.release_local(handle)
 
     # ---- decode side ----------------------------------------------------------------------------
     async def pull(self, handle: KVHandle) -> PulledKV:
@@ -122,17 +108,3 @@ class KVService:
         task = asyncio.create_task(release_kv(handle, self.layout))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def describe(self) -> dict[str, Any]:
-        holds = getattr(self.engine, "kv_holds", None)
-        return {
-            "port": self.bound_port if self.serves else None,
-            "advertise_host": self.advertise_host,
-            "hold_seconds": self.hold_seconds,
-            "identity": self.layout.identity if self.layout else None,
-            "holds": holds.num_holds if holds else 0,
-            "blocks_held": holds.num_blocks_held if holds else 0,
-            "holds_expired": holds.stats.expired if holds else 0,
-            "max_held_fraction": self.cap.fraction,
-            "hold_cap_refused": self.cap.refused,
-        }

@@ -1,9 +1,10 @@
 """One request's life above the engine: submit, detokenize, apply stop strings, observe latencies.
 
-`generate()` yields `Delta`s (text plus the token ids and logprobs behind it); the last one carries
-the finish reason. It aborts the engine sequence whenever it stops early — a stop string matched,
-or the consumer went away (the handler was cancelled on client disconnect) — so no sequence
-outlives its request.
+`generate()` yields `Delta`s (text plus the token ids and logprobs behind it), one per read of
+the request's stream: everything the engine produced since the last read, so a busy server
+formats and writes fewer, larger events instead of one per token. The last one carries the
+finish reason. It aborts the engine sequence whenever it stops early (a stop string matched,
+or the consumer went away), so no sequence outlives its request.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.core.client import CoreClient, EngineDead, RequestRefused
+from atom.entrypoints.core.messages import Sampling
 from atom.entrypoints.errors import APIError
 from atom.entrypoints.metrics import ServerMetrics
 from atom.entrypoints.protocol import GenerationRequest
 from atom.tokenizer import BaseTokenizer, IncrementalDetokenizer, StopStringChecker
+from atom.wire.errors import ENGINE_UNAVAILABLE
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -30,46 +32,71 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_secret: str | None = None  # a finished hold_kv request: its handle's secret (core-made)
+
+
+@dataclass
+class Outcome:
+    """How one request ended, for the request counters (set by generate() and the handler)."""
+
+    finish_reason: str | None = None  # stop | length once finished
+    error_status: int | None = None  # an error answered after the 200 went out
 
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def ends_at_first_token(params: dict[str, Any], first_token: int) -> bool:
+def ends_at_first_token(params: Sampling, first_token: int) -> bool:
     """Whether the engine will finish a request at its first token (a subset of its stop rule:
     when unsure, False, and the blocks are pulled anyway)."""
-    return params["max_tokens"] <= 1 or first_token in params["stop_token_ids"]
+    return params.max_tokens <= 1 or first_token in params.stop_token_ids
 
 
-def engine_params(req: GenerationRequest, tokenizer: BaseTokenizer) -> dict:
+def engine_params(req: GenerationRequest, tokenizer: BaseTokenizer) -> Sampling:
     """SamplingParams fields; the tokenizer's EOS ids stop generation unless ignore_eos."""
     stop_ids = list(req.stop_token_ids)
     if not req.ignore_eos:
         stop_ids += [i for i in tokenizer.eos_token_ids if i not in stop_ids]
-    return {
-        "temperature": req.temperature,
-        "top_k": req.top_k,
-        "top_p": req.top_p,
-        "seed": req.seed,
-        "max_tokens": req.max_tokens,
-        "stop_token_ids": stop_ids,
-        "ignore_eos": req.ignore_eos,
-        "logprobs": req.logprobs,
-    }
+    return Sampling(
+        temperature=float(req.temperature),
+        top_k=req.top_k,
+        top_p=float(req.top_p),
+        seed=req.seed,
+        max_tokens=req.max_tokens,
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=bool(req.logprobs),
+    )
+
+
+def submit(
+    engine: CoreClient, req: GenerationRequest, request_id: str, params: Sampling, **opts: object
+):
+    """engine.add_request, with the failures a client can see as APIErrors."""
+    try:
+        return engine.add_request(request_id, req.prompt_ids, params, **opts)  # type: ignore[arg-type]
+    except EngineDead as exc:
+        raise APIError(503, str(exc), code=ENGINE_UNAVAILABLE) from None
+    except (OverflowError, TypeError, ValueError) as exc:  # not representable on the wire
+        raise APIError(
+            400, f"a request value is out of range: {exc}", code="invalid_request"
+        ) from None
 
 
 async def generate(
-    engine: AsyncEngine,
+    engine: CoreClient,
     tokenizer: BaseTokenizer,
     metrics: ServerMetrics,
     req: GenerationRequest,
     request_id: str,
-    endpoint: str,
-    **submit: Any,
+    outcome: Outcome,
+    **opts: object,
 ) -> AsyncIterator[Delta]:
-    """submit: AsyncEngine.add_request options (hold_kv, prefilled) for disaggregated roles."""
-    stream = engine.add_request(request_id, req.prompt_ids, engine_params(req, tokenizer), **submit)
+    """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
+    for P/D roles."""
+    params = engine_params(req, tokenizer)
+    stream = submit(engine, req, request_id, params, **opts)
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringChecker(req.stop)
     metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -80,43 +107,49 @@ async def generate(
         while finish_reason is None:
             try:
                 out = await stream.get()
-            except ValueError as exc:  # the engine refused the request: the client's fault
-                finish_reason = "error"
-                raise APIError(400, str(exc), code="invalid_request") from None
-            except RuntimeError as exc:  # EngineDead: the engine failed or is shutting down
-                finish_reason = "error"
-                raise APIError(503, str(exc), code="engine_unavailable") from None
+            except RequestRefused as exc:  # the engine refused it: status and code from the core
+                raise APIError(
+                    exc.status,
+                    exc.message,
+                    code=exc.code,
+                    param="kv_transfer" if exc.code.startswith("kv_") else None,
+                ) from None
+            except EngineDead as exc:  # the engine failed, died or is shutting down
+                raise APIError(503, str(exc), code=ENGINE_UNAVAILABLE) from None
             now = time.monotonic()
-            if out.new_token_ids:
+            n = len(out.tokens)
+            if n:
                 if last_token_at is None:
                     metrics.ttft.observe(now - stream.arrival)
+                    if n > 1:  # tokens that came together with the first
+                        metrics.itl.observe_n(0.0, n - 1)
                 else:
-                    metrics.itl.observe(now - last_token_at)
+                    metrics.itl.observe_n((now - last_token_at) / n, n)
                 last_token_at = now
-            completion_tokens += len(out.new_token_ids)
-            text = detok.add(out.new_token_ids)
-            if out.finished:
+            completion_tokens += n
+            text = detok.add(out.tokens) if n else ""
+            if out.finish_reason is not None:
                 text += detok.flush()
             text, stopped = stops.feed(text)
             if stopped:
                 finish_reason = "stop"
                 engine.abort(request_id)
-            elif out.finished:
-                finish_reason = out.finish_reason or "stop"
+            elif out.finish_reason is not None:
+                finish_reason = out.finish_reason
                 text += stops.flush()
             yield Delta(
                 text=text,
-                token_ids=list(out.new_token_ids),
-                logprobs=list(out.new_logprobs) if out.new_logprobs is not None else None,
+                token_ids=out.tokens,
+                logprobs=out.logprobs,
                 finish_reason=finish_reason,
                 prompt_tokens=out.num_prompt_tokens or len(req.prompt_ids),
                 completion_tokens=completion_tokens,
-                cached_tokens=getattr(out, "num_cached_tokens", 0),
+                cached_tokens=out.num_cached_tokens,
+                kv_secret=out.kv_secret,
             )
         metrics.generation_tokens.inc(completion_tokens)
         metrics.e2e.observe(time.monotonic() - stream.arrival)
+        outcome.finish_reason = finish_reason if finish_reason != "abort" else None
     finally:
         if finish_reason is None:  # cancelled (client gone) or failed: free the sequence
             engine.abort(request_id)
-            finish_reason = "abort"
-        metrics.requests.labels(endpoint=endpoint, finish_reason=finish_reason).inc()

@@ -2,39 +2,39 @@
 its client left, instead of leaving the blocks pinned for --kv-hold-seconds.
 
 Body `{"handle", "secret"}`; only with the internal token (trust.py), and only with the handle's
-per-transfer secret. Answers `{"released": bool}` (false: already pulled, released or expired).
+per-transfer secret (the engine core checks it: the key never leaves it). Answers `{"released": bool}` (false: already pulled, released or expired).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from atom.disagg.trust import is_internal
-from atom.entrypoints.body import parse_object, read_body
-from atom.entrypoints.errors import APIError
+from atom.wire import errors as codes
+from atom.wire.api_error import APIError
+from atom.wire.body import parse_object, read_body
+from atom.wire.kv_modes import RELEASE_PATH
+from atom.wire.trust import is_internal
 
-RELEASE_PATH = "/internal/kv/release"
+__all__ = ["RELEASE_PATH", "release_handler"]
 
 
-def release_handler(kv_of: Callable[[web.Request], Any]) -> Callable:
-    """kv_of: the request's KVService (None on an instance without KV transfers)."""
+def release_handler(
+    release_of: Callable[[web.Request], Callable[[str, str], Awaitable[bool]] | None],
+) -> Callable:
+    """release_of: the request's hold release (the secret is checked where the key lives,
+    the engine core), or None on an instance without KV transfers."""
 
     async def release(request: web.Request) -> web.Response:
         if not is_internal(request.headers):
             raise APIError(
-                403, "only the router may release KV holds", code="kv_transfer_forbidden"
+                403, "only the router may release KV holds", code=codes.KV_TRANSFER_FORBIDDEN
             )
         body = await parse_object(await read_body(request, 64 * 1024))
-        handle, kv = body.get("handle"), kv_of(request)
-        if (
-            kv is None
-            or not isinstance(handle, str)
-            or not kv.keys.verify(handle, body.get("secret"))
-        ):
+        handle, secret, drop = body.get("handle"), body.get("secret"), release_of(request)
+        if drop is None or not isinstance(handle, str) or not isinstance(secret, str):
             return web.json_response({"released": False}, status=404)
-        return web.json_response({"released": kv.release_local(handle)})
+        return web.json_response({"released": await drop(handle, secret)})
 
     return release

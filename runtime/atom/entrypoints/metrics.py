@@ -1,17 +1,18 @@
-"""Prometheus metrics: request outcomes and latencies observed by the server, engine gauges and
-the compile/graph counters read at scrape time. One registry per server, so tests can build
-several apps in one process."""
+"""Prometheus metrics: request outcomes and latencies observed by the API server, the engine
+core's gauges and compile/graph counters (forwarded in its Stats messages) read at scrape time.
+The core's own series (KV transfers) are scraped from it over the IPC and appended. One
+registry per server, so tests can build several apps in one process."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-
-from atom.disagg.metrics import KVMetrics
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -113,19 +114,60 @@ SPEC_GAUGES = {
 }
 
 
+class FastHistogram(Collector):
+    """A histogram whose observe() is a bisect and two additions: called once per request
+    per step on the serving path, where prometheus_client's lock and bucket walk add up."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:  # fmt: skip
+        self.name, self.doc = name, doc
+        self._upper = [float(b) for b in buckets]
+        self._counts = [0] * (len(self._upper) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._upper, value)] += 1
+        self._sum += value
+
+    def observe_n(self, value: float, n: int) -> None:
+        """n observations of the same value (tokens that came in one chunk)."""
+        self._counts[bisect_left(self._upper, value)] += n
+        self._sum += value * n
+
+    def collect(self) -> Iterator[Any]:
+        cum, buckets = 0, []
+        for bound, count in zip([*self._upper, float("inf")], self._counts, strict=True):
+            cum += count
+            buckets.append((floatToGoString(bound), cum))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self._sum)
+
+
 class ServerMetrics:
     def __init__(
         self,
         stats: Callable[[], dict[str, Any]],
         counters: Callable[[], dict[str, int]],
         warmup: Callable[[], dict[str, Any]],
-        kv_holds: Callable[[], Any] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
+        # received = sum(atom_requests_total) + sum(atom_requests_failed_total), once the
+        # requests in flight have ended.
+        self.received = Counter(
+            "atom_requests_received",
+            "Generation requests received (each ends in atom_requests or atom_requests_failed)",
+            registry=self.registry,
+        )
         self.requests = Counter(
             "atom_requests",
-            "Finished requests by endpoint and outcome",
+            "Requests that finished (stop, length) or were aborted (client gone), by endpoint",
             ["endpoint", "finish_reason"],
+            registry=self.registry,
+        )
+        self.failed = Counter(
+            "atom_requests_failed",
+            "Generation requests answered with an error (before or after the 200), by status",
+            ["status"],
             registry=self.registry,
         )
         self.rejected = Counter(
@@ -146,27 +188,27 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "atom_generation_tokens", "Generated tokens", registry=self.registry
         )
-        self.ttft = Histogram(
+        self.ttft = FastHistogram(
             "atom_time_to_first_token_seconds",
             "Arrival to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
+            self.registry,
         )
-        self.itl = Histogram(
+        self.itl = FastHistogram(
             "atom_inter_token_latency_seconds",
             "Time between a request's successive tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
+            self.registry,
         )
-        self.e2e = Histogram(
+        self.e2e = FastHistogram(
             "atom_e2e_request_latency_seconds",
             "Arrival to last token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
+            self.registry,
         )
         self.registry.register(_EngineCollector(stats, counters, warmup))
-        # KV transfers (disaggregation): bytes, blocks, durations, outcomes, blocks held.
-        self.kv = KVMetrics(self.registry, kv_holds)
+        # This process' memory and CPU (the engine core exports atom_core_process_*).
+        ProcessCollector(namespace="atom_api", registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,88 +1,119 @@
-"""The aiohttp application: OpenAI-compatible routes, /health, /metrics, /status.
+"""The aiohttp application: OpenAI-compatible routes, /health, /livez, /metrics, /status.
 
-Handlers are thin: validate (protocol), run `generate()`, format the OpenAI wire format. Every
-client-caused failure is an APIError answered with its status and an OpenAI error body.
+Handlers are thin: validate (protocol), run `generate()` against the engine core's client,
+format the OpenAI wire format (openai_format). Every client-caused failure is an APIError
+answered with its status and an OpenAI error body. P/D branches live in disagg_routes.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import hmac
 import logging
+import os
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from atom.disagg.handle import KVHandle
-from atom.disagg.holds import HoldCapExceeded
-from atom.disagg.trust import is_internal
-from atom.entrypoints.async_engine import AsyncEngine, Prefilled
-from atom.entrypoints.body import parse_object, read_body
-from atom.entrypoints.errors import APIError
-from atom.entrypoints.generation import (
-    Delta,
-    ends_at_first_token,
-    engine_params,
-    generate,
-    new_request_id,
+from atom.entrypoints.core.client import CoreClient
+from atom.entrypoints.core.messages import EngineInfo
+from atom.entrypoints.disagg_routes import (
+    KVView,
+    decode_options,
+    release_quietly,
+    serve_prefill,
 )
-from atom.entrypoints.info import config_info, graph_info, prefix_cache_info
+from atom.entrypoints.errors import APIError
+from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
+from atom.entrypoints.info import prefix_cache_info
 from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
 from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
-from atom.entrypoints.middleware import json_errors
+from atom.entrypoints.openai_format import DONE, OpenAIFormatter, dumps, sse
 from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
 from atom.tokenizer import BaseTokenizer
+from atom.wire import errors as codes
+from atom.wire.body import parse_object, read_body
+from atom.wire.kv_modes import KVMode, parse_mode
+from atom.wire.middleware import json_errors
+from atom.wire.trust import is_internal
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+PID_HEADER = "X-Atom-Api-Pid"  # which API server process answered (--api-server-count)
 
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: CoreClient
     served_model_name: str
     model: str
     max_waiting: int = 1024
     role: str = "unified"
     config: Any = None  # the resolved atom.config.Config, for /status
-    tokenizer: BaseTokenizer | None = None  # set once the engine is built
+    tokenizer: BaseTokenizer | None = None  # loaded by the API server itself
     max_model_len: int = 0
     vocab_size: int = 0
     draining: bool = False
+    api_key: str | None = None  # --api-key / ATOM_API_KEY: /v1/* need "Bearer <key>"
+    body_timeout: float = 30.0
+    liveness_timeout: float = 60.0
+    api_server_index: int = 0
+    api_server_count: int = 1
     started: float = field(default_factory=time.time)
-    kv: Any = None  # atom.disagg.service.KVService: KV transfers (prefill serves, decode pulls)
+    kv: KVView | None = None  # the core's KV side (prefill serves, decode pulls), once ready
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        from atom.utils.counters import counters
-
         self.metrics = ServerMetrics(
             stats=lambda: self.engine.last_stats,
-            counters=counters.snapshot,
+            counters=lambda: {},  # the counters live in the core; they come in its stats
             warmup=lambda: self.engine.warmup_summary,
-            kv_holds=lambda: getattr(self.engine.engine, "kv_holds", None),
         )
-        if self.kv is not None:
-            self.kv.metrics = self.metrics.kv
+        self.engine.on_ready.append(self._engine_ready)
+
+    def _engine_ready(self, info: EngineInfo) -> None:
+        if info.max_model_len:
+            self.max_model_len = info.max_model_len
+        if info.vocab_size and not self.vocab_size:
+            self.vocab_size = info.vocab_size
+        if info.kv is not None:
+            self.kv = KVView.from_info(info.kv)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.is_ready and self.tokenizer is not None
 
 
 STATE_KEY = web.AppKey("atom_state", ServerState)
 
 
 def create_app(state: ServerState) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors(_count)])
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES, middlewares=[json_errors(_count), api_key_middleware]
+    )
     app[STATE_KEY] = state
     app.router.add_get("/health", health)
+    app.router.add_get("/livez", livez)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
-    app.router.add_post(RELEASE_PATH, release_handler(lambda r: r.app[STATE_KEY].kv))
+    # The hold registry and the secrets' key are the core's: the route asks it.
+    app.router.add_post(RELEASE_PATH, release_handler(_hold_release))
     return app
+
+
+def _hold_release(request: web.Request) -> Callable[[str, str], Awaitable[bool]] | None:
+    state = request.app[STATE_KEY]
+    if state.kv is None or not state.kv.serves:
+        return None
+    return state.engine.release_hold
 
 
 def _count(request: web.Request, status: int) -> None:
@@ -92,18 +123,45 @@ def _count(request: web.Request, status: int) -> None:
         metrics.rejected.labels(status=str(status)).inc()
 
 
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """OpenAI endpoints need the key; probes, /metrics and /status stay open."""
+    key = request.app[STATE_KEY].api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>)",
+                code=codes.INVALID_API_KEY,
+            )
+    return await handler(request)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=dumps(body), status=status, content_type="application/json")
+
+
 # ---- probes and introspection -------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     if state.draining:
-        return web.json_response(
-            {"status": "draining", "reason": "server is shutting down"}, status=503
-        )
-    if not state.engine.is_ready:
-        return web.json_response(
-            {"status": state.engine.state, "reason": state.engine.reason}, status=503
-        )
-    return web.json_response({"status": "ok"})
+        return _json({"status": "draining", "reason": "server is shutting down"}, 503)
+    engine = state.engine
+    if not engine.is_ready:
+        return _json({"status": engine.state, "reason": engine.reason}, 503)
+    if state.tokenizer is None:
+        return _json({"status": "starting", "reason": "loading the tokenizer"}, 503)
+    return _json({"status": "ok"})
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Liveness (not readiness): the core is alive and its loop moves, compiling included."""
+    state = request.app[STATE_KEY]
+    why = state.engine.liveness(state.liveness_timeout)
+    if why is not None:
+        return _json({"status": "dead", "reason": why}, 503)
+    return _json({"status": "alive", "state": state.engine.state})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -117,11 +175,12 @@ async def models(request: web.Request) -> web.Response:
     }
     if state.max_model_len:
         card["max_model_len"] = state.max_model_len
-    return web.json_response({"object": "list", "data": [card]})
+    return _json({"object": "list", "data": [card]})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE_KEY].metrics.render()
+    state = request.app[STATE_KEY]
+    body = state.metrics.render() + await state.engine.scrape()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -129,51 +188,63 @@ async def status(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     engine = state.engine
     summary = engine.warmup_summary
-    from atom.utils.counters import counters
-
+    info = engine.info
     body: dict[str, Any] = {
         "model": state.model,
         "served_model_name": state.served_model_name,
         "role": state.role,
         "state": engine.state,
         "reason": engine.reason,
-        "ready": engine.is_ready,
+        "ready": state.ready,
         "draining": state.draining,
         "max_model_len": state.max_model_len,
-        **(config_info(state.config) if state.config is not None else {}),
-        **(graph_info(engine.engine) if engine.engine is not None else {}),
+        "pid": os.getpid(),
+        "core_pid": engine.core_pid,
+        "api_server_index": state.api_server_index,
+        "api_server_count": state.api_server_count,
+        **(info.config if info is not None else {}),
+        **(info.graphs if info is not None else {}),
         "captured_buckets": captured_buckets(summary),
         "warmup": summary,
         "stats": engine.last_stats,
         "prefix_cache": prefix_cache_info(engine.last_stats),
-        "counters": counters.snapshot(),
+        "counters": engine.last_stats.get("counters", {}),
         "in_flight": len(engine.streams),
         "steps": engine.steps,
     }
     if state.kv is not None:
-        body["kv"] = state.kv.describe()
+        body["kv"] = state.kv.describe(engine.last_stats)
     if body.get("cache_key") is None and summary.get("cache_key"):
         body["cache_key"] = summary["cache_key"]
-    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str))
+    return _json(body)
 
 
 # ---- generation ---------------------------------------------------------------------------------
 def _admit(state: ServerState) -> None:
     if state.draining:
-        raise APIError(503, "server is shutting down", code="shutting_down")
-    if not state.engine.is_ready:
-        raise APIError(503, f"not ready: {state.engine.reason}", code="not_ready")
+        raise APIError(503, "server is shutting down", code=codes.SHUTTING_DOWN)
+    if not state.ready:
+        raise APIError(503, f"not ready: {state.engine.reason}", code=codes.NOT_READY)
     waiting = state.engine.num_waiting()
     if waiting >= state.max_waiting:
         raise APIError(
             429,
             f"too many waiting requests ({waiting} >= --max-waiting {state.max_waiting}); retry later",
-            code="rate_limit_exceeded",
+            code=codes.RATE_LIMIT_EXCEEDED,
         )
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    return await parse_object(await read_body(request, MAX_BODY_BYTES))
+async def _body(request: web.Request, timeout: float) -> dict[str, Any]:
+    """Size-bounded (inflated too) and parsed off-loop when large (atom.wire.body)."""
+    try:
+        raw = await asyncio.wait_for(read_body(request, MAX_BODY_BYTES), timeout)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g}s",
+            code=codes.REQUEST_TIMEOUT,
+        ) from None
+    return await parse_object(raw)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -185,18 +256,46 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
+    """Counts every request exactly once: finished, aborted (client gone) or failed."""
     state = request.app[STATE_KEY]
+    m = state.metrics
+    m.received.inc()
+    outcome = Outcome()
+    try:
+        resp = await _generate(request, state, chat, outcome)
+    except APIError as exc:
+        m.failed.labels(status=str(exc.status)).inc()
+        raise
+    except BaseException:  # cancelled: the client went away
+        m.requests.labels(endpoint=_endpoint(chat), finish_reason="abort").inc()
+        raise
+    if outcome.error_status is not None:
+        m.failed.labels(status=str(outcome.error_status)).inc()
+    else:
+        m.requests.labels(
+            endpoint=_endpoint(chat), finish_reason=outcome.finish_reason or "abort"
+        ).inc()
+    return resp
+
+
+def _endpoint(chat: bool) -> str:
+    return "chat" if chat else "completions"
+
+
+async def _generate(
+    request: web.Request, state: ServerState, chat: bool, outcome: Outcome
+) -> web.StreamResponse:
     _admit(state)
-    body = await _body(request)
-    if "kv_transfer" in body and not is_internal(request.headers):  # atom.disagg.trust
+    body = await _body(request, state.body_timeout)
+    if "kv_transfer" in body and not is_internal(request.headers):  # atom.wire.trust
         raise APIError(
             403,
             "kv_transfer is only accepted from the router (X-Atom-Internal-Token)",
             param="kv_transfer",
-            code="kv_transfer_forbidden",
+            code=codes.KV_TRANSFER_FORBIDDEN,
         )
     kv = body.get("kv_transfer")  # disaggregation (docs/architecture.md); absent: unified
-    mode = kv.get("mode") if isinstance(kv, dict) else None
+    mode = parse_mode(kv.get("mode")) if isinstance(kv, dict) else None
     try:
         if chat:
             req = chat_request(
@@ -215,264 +314,71 @@ async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
                 state.vocab_size,
             )
     except APIError:
-        if mode == "decode":  # the prompt already ran elsewhere: free its blocks there
-            _release_quietly(state, kv)
+        if mode is KVMode.DECODE:  # the prompt already ran elsewhere: free its blocks there
+            release_quietly(state, kv)
         raise
     if kv is None:
-        return await _serve(request, state, req, chat)
-    if mode == "prefill":
-        return await _serve_prefill(state, req, chat)
-    if mode == "decode":
-        return await _serve_decode(request, state, req, chat, kv)
+        return await _serve(request, state, req, chat, outcome)
+    if mode is KVMode.PREFILL:
+        return await serve_prefill(state, req, chat, outcome)
+    if mode is KVMode.DECODE:
+        opts = decode_options(state, req, kv)
+        return await _serve(request, state, req, chat, outcome, **opts)
     raise APIError(
         400,
         "kv_transfer.mode must be 'prefill' or 'decode'",
         param="kv_transfer",
-        code="kv_bad_request",
+        code=codes.KV_BAD_REQUEST,
     )
-
-
-async def _serve_prefill(state: ServerState, req: GenerationRequest, chat: bool) -> web.Response:
-    """Run the prompt, sample its first token, keep its blocks; answer with the KV handle."""
-    kv = state.kv
-    if kv is None or not kv.serves:
-        raise APIError(
-            400,
-            "this instance serves no KV blocks: start it with --role prefill (or --kv-port)",
-            param="kv_transfer",
-            code="kv_not_enabled",
-        )
-    req.max_tokens, req.stream = 1, False
-    request_id = new_request_id("chatcmpl" if chat else "cmpl")
-    assert state.tokenizer is not None
-    try:
-        reservation = kv.reserve(len(req.prompt_ids))  # --max-held-kv-fraction
-    except HoldCapExceeded as exc:
-        raise APIError(503, str(exc), param="kv_transfer", code="kv_hold_cap") from None
-    gen = generate(
-        state.engine, state.tokenizer, state.metrics, req, request_id, "prefill", hold_kv=True
-    )
-    try:
-        with reservation:
-            async with aclosing(gen):
-                deltas = [d async for d in gen]
-    except BaseException:  # the router left (or the engine failed): nobody will pull
-        kv.release_local(request_id)
-        raise
-    first = next((d for d in deltas if d.token_ids), None)
-    if first is None:  # aborted before sampling (shutting down): nothing is held
-        raise APIError(503, "the prefill produced no token", code="engine_unavailable")
-    logprob = first.logprobs[0] if first.logprobs else None
-    handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob)
-    handle.cached_tokens = deltas[-1].cached_tokens
-    body = _Formatter(state.tokenizer, request_id, req, chat).full(deltas)
-    body["kv_transfer"] = handle.to_dict()
-    return web.json_response(body)
-
-
-async def _serve_decode(
-    request: web.Request, state: ServerState, req: GenerationRequest, chat: bool, kv: dict
-) -> web.StreamResponse:
-    """Pull the prompt's blocks from the prefill instance, then decode from its first token."""
-    try:
-        handle = KVHandle.from_dict(kv)
-        if not handle.kv_host:
-            raise ValueError("kv_transfer.kv_host is required to pull the blocks")
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="kv_transfer", code="kv_bad_request") from None
-    why = state.kv.layout.identity_mismatch(
-        handle.identity, handle.model, theirs="the prefill instance"
-    )
-    if why:  # known from the handle already; the wire checks it again with the cache shape
-        raise APIError(409, f"refusing KV blocks: {why}", param="kv_transfer", code="kv_mismatch")
-    if req.prompt_ids != handle.prompt_token_ids:
-        state.kv.release_soon(handle)
-        raise APIError(
-            409,
-            f"the prompt tokenizes to {len(req.prompt_ids)} tokens here but the prefill instance "
-            f"ran {len(handle.prompt_token_ids)} different ones (another tokenizer or template?)",
-            param="kv_transfer",
-            code="kv_mismatch",
-        )
-    assert state.tokenizer is not None
-    blocks = None
-    if ends_at_first_token(engine_params(req, state.tokenizer), handle.first_token_id):
-        state.kv.release_soon(handle)  # nothing left to decode: the blocks are not needed
-    else:
-        from atom.disagg.client import KVTransferError
-
-        try:
-            blocks = (await state.kv.pull(handle)).blocks
-        except KVTransferError as exc:
-            state.kv.release_soon(handle)
-            status = 409 if exc.code == "kv_mismatch" else 503
-            raise APIError(status, exc.message, param="kv_transfer", code=exc.code) from None
-        except BaseException:  # our client left mid-pull: free the blocks on the prefill now
-            state.kv.release_soon(handle)
-            raise
-    pre = Prefilled(handle.first_token_id, blocks, handle.first_logprob, handle.cached_tokens)
-    return await _serve(request, state, req, chat, prefilled=pre)
-
-
-def _release_quietly(state: ServerState, kv: dict) -> None:
-    if state.kv is None:
-        return
-    try:
-        state.kv.release_soon(KVHandle.from_dict(kv))
-    except ValueError:
-        pass
 
 
 async def _serve(
-    request: web.Request, state: ServerState, req: GenerationRequest, chat: bool, **submit: Any
+    request: web.Request,
+    state: ServerState,
+    req: GenerationRequest,
+    chat: bool,
+    outcome: Outcome,
+    **opts: Any,
 ) -> web.StreamResponse:
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
-    endpoint = "chat" if chat else "completions"
     assert state.tokenizer is not None
-    gen = generate(
-        state.engine, state.tokenizer, state.metrics, req, request_id, endpoint, **submit
-    )
-    fmt = _Formatter(state.tokenizer, request_id, req, chat)
+    gen = generate(state.engine, state.tokenizer, state.metrics, req, request_id, outcome, **opts)
+    fmt = OpenAIFormatter(state.tokenizer, request_id, req, chat)
+    pid = {PID_HEADER: str(os.getpid())}
     async with aclosing(gen):
         if not req.stream:
             deltas = [d async for d in gen]
-            return web.json_response(fmt.full(deltas))
+            return web.Response(
+                body=dumps(fmt.full(deltas)), content_type="application/json", headers=pid
+            )
         # Pull the first delta before committing to 200, so an engine refusal is still a 4xx.
         first = await anext(gen)
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **pid}
         )
         await resp.prepare(request)
         try:
             if chat:
-                await resp.write(_sse(fmt.chunk(Delta(text=""), role=True)))
+                await resp.write(sse(fmt.chunk(Delta(text=""), role=True)))
             delta: Delta | None = first
             last = first
+            logprobs = bool(req.logprobs)
             while delta is not None:
                 last = delta
-                if delta.text or delta.finish_reason or (req.logprobs and delta.token_ids):
-                    await resp.write(_sse(fmt.chunk(delta)))
+                if delta.text or delta.finish_reason or (logprobs and delta.token_ids):
+                    await resp.write(sse(fmt.chunk(delta)))
                 delta = await anext(gen, None)
             if req.include_usage:
-                await resp.write(_sse(fmt.usage_chunk(last)))
-            await resp.write(b"data: [DONE]\n\n")
+                await resp.write(sse(fmt.usage_chunk(last)))
+            await resp.write(DONE)
             await resp.write_eof()
         except ConnectionResetError:
             logger.info("client of %s went away; its sequence is aborted", request_id)
         except APIError as exc:  # after the 200 went out: report in-band, as OpenAI does
-            await resp.write(_sse(exc.body()) + b"data: [DONE]\n\n")
+            outcome.error_status = exc.status
+            try:
+                await resp.write(sse(exc.body()) + DONE)
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass
         return resp
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    # ASCII-escaped: a raw U+0085 or U+2028 in generated text is legal SSE, but clients that
-    # split lines with str.splitlines() (httpx's aiter_lines) would cut the event there.
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-class _Formatter:
-    """OpenAI response objects for completions and chat, streamed or whole."""
-
-    def __init__(
-        self, tokenizer: BaseTokenizer, request_id: str, req: GenerationRequest, chat: bool
-    ) -> None:
-        self.tok, self.id, self.req, self.chat = tokenizer, request_id, req, chat
-        self.created = int(time.time())
-
-    def _usage(self, d: Delta) -> dict[str, Any]:
-        return {
-            "prompt_tokens": d.prompt_tokens,
-            "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
-        }
-
-    def _logprobs(
-        self, ids: list[int], lps: list[float] | None, offset: int = 0
-    ) -> dict[str, Any] | None:
-        if not self.req.logprobs:
-            return None
-        lps = lps if lps is not None else [0.0] * len(ids)
-        tokens = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
-        if self.chat:
-            return {
-                "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, lps, strict=False)
-                ]
-            }
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": lps,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=False)],
-            "text_offset": offsets,
-        }
-
-    def full(self, deltas: list[Delta]) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
-        last = deltas[-1]
-        ids = [i for d in deltas for i in d.token_ids]
-        lps = (
-            [x for d in deltas for x in (d.logprobs or [])]
-            if any(d.logprobs for d in deltas)
-            else None
-        )
-        base = {
-            "id": self.id,
-            "created": self.created,
-            "model": self.req.model,
-            "usage": self._usage(last),
-        }
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(ids, lps),
-                "finish_reason": last.finish_reason,
-            }
-            return {**base, "object": "chat.completion", "choices": [choice]}
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": self._logprobs(ids, lps),
-            "finish_reason": last.finish_reason,
-        }
-        return {**base, "object": "text_completion", "choices": [choice]}
-
-    def chunk(self, d: Delta, role: bool = False) -> dict[str, Any]:
-        base = {"id": self.id, "created": self.created, "model": self.req.model}
-        if self.chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": ""}
-                if role
-                else ({"content": d.text} if d.text else {})
-            )
-            choice = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": None if role else self._logprobs(d.token_ids, d.logprobs),
-                "finish_reason": d.finish_reason,
-            }
-            return {**base, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {
-            "index": 0,
-            "text": d.text,
-            "logprobs": self._logprobs(d.token_ids, d.logprobs),
-            "finish_reason": d.finish_reason,
-        }
-        return {**base, "object": "text_completion", "choices": [choice]}
-
-    def usage_chunk(self, last: Delta) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.req.model,
-            "choices": [],
-            "usage": self._usage(last),
-        }

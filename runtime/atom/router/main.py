@@ -17,9 +17,9 @@ from dataclasses import fields
 
 from aiohttp import web
 
-from atom.entrypoints.body import RUNNER_KWARGS
 from atom.router.policy import RoutingPolicy
 from atom.router.proxy import RouterSettings, create_router_app
+from atom.wire.body import RUNNER_KWARGS
 
 
 def build_parser() -> argparse.ArgumentParser:

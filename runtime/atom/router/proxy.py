@@ -34,14 +34,16 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from atom.disagg.trust import TOKEN_ENV, internal_headers, internal_token
-from atom.entrypoints.body import BodyError, parse_object, read_body
-from atom.entrypoints.kv_release import RELEASE_PATH
-from atom.entrypoints.middleware import json_errors
 from atom.router.health import health_loop, probe_pool
 from atom.router.metrics import RouterMetrics
 from atom.router.policy import Picker, prefix_keys
 from atom.router.pool import Instance, Pool, Resolver, bounded, resolve_dns
+from atom.wire import errors as codes
+from atom.wire.body import BodyError, parse_object, read_body
+from atom.wire.errors import error_body
+from atom.wire.kv_modes import RELEASE_PATH, KVMode
+from atom.wire.middleware import json_errors
+from atom.wire.trust import TOKEN_ENV, internal_headers, internal_token
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +56,9 @@ HOP_HEADERS = {
     "content-encoding",
 }
 # Answers meaning "this instance did not take the request": another instance may.
-DECLINED = {"not_ready", "shutting_down", "rate_limit_exceeded", "kv_hold_cap"}
+DECLINED = {codes.NOT_READY, codes.SHUTTING_DOWN, codes.RATE_LIMIT_EXCEEDED, codes.KV_HOLD_CAP}
 # ...of which these say the instance is busy, not unwell: it stays in rotation.
-BUSY = {"rate_limit_exceeded", "kv_hold_cap"}
+BUSY = {codes.RATE_LIMIT_EXCEEDED, codes.KV_HOLD_CAP}
 MAX_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "ATOM_API_KEY"
 
@@ -94,13 +96,7 @@ class ClientGone(Exception):
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
-    err_type = {503: "service_unavailable", 401: "authentication_error"}.get(
-        status, "invalid_request_error"
-    )
-    return web.json_response(
-        {"error": {"message": message, "type": err_type, "param": None, "code": code}},
-        status=status,
-    )
+    return web.json_response(error_body(status, message, code), status=status)
 
 
 def _parse(data: bytes) -> dict[str, Any]:
@@ -124,7 +120,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer": {"mode": "prefill"}}
+    out = {**body, "max_tokens": 1, "stream": False, "kv_transfer": {"mode": KVMode.PREFILL.value}}
     out.pop("stream_options", None)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -170,7 +166,7 @@ class _Reply:
         """After the status went out: an OpenAI-style error event (SSE), then the end."""
         if self.resp is None:
             return
-        err = {"error": {"message": message, "type": "service_unavailable", "code": code}}
+        err = error_body(503, message, code)
         try:
             if self.sse:
                 await self.resp.write(
@@ -262,7 +258,7 @@ class Router:
                     return
         finally:
             self.metrics.queue.dec()
-        raise Unavailable(pool.role, pool.unavailable_reason(), "no_backend")
+        raise Unavailable(pool.role, pool.unavailable_reason(), codes.NO_BACKEND)
 
     async def _pick(
         self, pool: Pool, tried: set[Instance], keys: list[bytes] | None = None
@@ -273,7 +269,7 @@ class Router:
         inst = self.picker.pick(pool, tried, keys)
         if inst is None:
             raise Unavailable(
-                pool.role, f"every {pool.role} instance declined the request", "no_backend"
+                pool.role, f"every {pool.role} instance declined the request", codes.NO_BACKEND
             )
         return inst
 
@@ -314,7 +310,7 @@ class Router:
                     raise Unavailable(
                         "prefill",
                         f"prefill instance {inst.url} failed during the request: {why}",
-                        "prefill_failed",
+                        codes.PREFILL_FAILED,
                     ) from None
                 self.metrics.requests.labels("prefill", inst.url, str(status)).inc()
                 if status == 200:
@@ -324,7 +320,7 @@ class Router:
                             "prefill",
                             f"prefill instance {inst.url} answered without a KV handle "
                             "(is it running --role prefill?)",
-                            "prefill_failed",
+                            codes.PREFILL_FAILED,
                         )
                     return inst, handle
                 if status in (429, 503) and self._declined(inst, status, data):
@@ -335,7 +331,7 @@ class Router:
                     "prefill",
                     f"prefill instance {inst.url} answered {status}: "
                     f"{bounded(_err_field(data, 'message') or 'no reason given')}",
-                    _err_field(data, "code") or "prefill_failed",
+                    _err_field(data, "code") or codes.PREFILL_FAILED,
                 )
 
     def _headers(self, request: web.Request) -> dict[str, str]:
@@ -386,7 +382,7 @@ class Router:
         prefill: Instance,
         t0: float,
     ) -> web.StreamResponse:
-        kv = {**handle, "mode": "decode"}
+        kv = {**handle, "mode": KVMode.DECODE.value}
         # Decode instances dial only prefill instances we know: the advertised address if it is
         # one of theirs, else (unset, or anything else) the one we reached this prefill at.
         known = {i.host for i in self.prefill.instances.values()}
@@ -425,9 +421,9 @@ class Router:
                 why = self._failed(self.decode, inst, _cause(exc))
                 message = f"decode instance {inst.url} failed during the request: {why}"
                 if reply.resp is None:
-                    raise Unavailable("decode", message, "decode_failed") from None
+                    raise Unavailable("decode", message, codes.DECODE_FAILED) from None
                 self.metrics.unavailable.labels("decode").inc()
-                await reply.fail_in_band(message, "decode_failed")
+                await reply.fail_in_band(message, codes.DECODE_FAILED)
                 return reply.resp
             if resp is not None:
                 return resp
@@ -455,7 +451,7 @@ class Router:
                     "decode",
                     f"decode instance {inst.url} answered {up.status}: "
                     f"{bounded(_err_field(data, 'message') or 'no reason given')}",
-                    _err_field(data, "code") or "decode_failed",
+                    _err_field(data, "code") or codes.DECODE_FAILED,
                 )
             headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
             await reply.start(up.status, headers)
@@ -545,7 +541,7 @@ async def models(request: web.Request) -> web.Response:
                     return web.json_response(await r.json())
         except (TimeoutError, aiohttp.ClientError, ValueError):
             continue
-    return _error(503, router.decode.unavailable_reason(), "no_backend")
+    return _error(503, router.decode.unavailable_reason(), codes.NO_BACKEND)
 
 
 async def health(request: web.Request) -> web.Response:

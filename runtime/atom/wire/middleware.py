@@ -1,4 +1,4 @@
-"""The one aiohttp middleware of the runtime server: every failure is a JSON body, every answer
+"""The one aiohttp middleware of the runtime server and the router: every failure is a JSON body, every answer
 is counted.
 
 Client errors (APIError, a body that cannot be read or parsed, routing's 404/405, 413) become
@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from atom.entrypoints.body import BodyError
-from atom.entrypoints.errors import APIError
+from atom.wire.api_error import APIError
+from atom.wire.body import BodyError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,10 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        resp = exc.response()
+        if exc.status == 408:  # the body never came: do not wait on this connection again
+            resp.force_close()
+        return resp
     except BodyError as exc:
         return APIError(400, exc.message, code=exc.code).response()
     except web.HTTPRequestEntityTooLarge as exc:

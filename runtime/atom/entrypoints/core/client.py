@@ -1,0 +1,529 @@
+"""The API server's side of the engine core: request streams in, one StepOutputs per step out.
+
+`CoreClient` sends AddRequest/AbortRequests and reads the core's messages on the event loop;
+each request's tokens are appended to its `RequestStream` and its handler is woken once, so a
+handler that lags behind takes several steps' tokens at once (coalescing under load, not one
+wake-up per token). Subclasses say where the core runs: `ProcessCore` spawns it (production),
+`ThreadCore` runs it in a thread of this process (tests with scripted engines), `AttachedCore`
+joins one another process spawned (extra API servers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from atom.disagg.handle import KVHandle
+from atom.entrypoints.core import messages as msgs
+from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
+
+logger = logging.getLogger(__name__)
+
+MONITOR_S = 0.1
+
+
+class EngineDead(RuntimeError):
+    """The engine core failed, died or is shutting down; in-flight requests fail with this."""
+
+
+class RequestRefused(Exception):
+    """The core refused one request (its status, OpenAI code and message)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class Chunk:
+    """What a request produced since its handler last looked (one or more engine steps)."""
+
+    __slots__ = (
+        "finish_reason",
+        "kv_secret",
+        "logprobs",
+        "num_cached_tokens",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: list[int],
+        logprobs: list[float] | None,
+        finish: str | None,
+        num_prompt: int,
+        num_output: int,
+        num_cached: int = 0,
+        kv_secret: str | None = None,
+    ) -> None:
+        self.tokens, self.logprobs, self.finish_reason = tokens, logprobs, finish
+        self.num_prompt_tokens, self.num_output_tokens = num_prompt, num_output
+        self.num_cached_tokens, self.kv_secret = num_cached, kv_secret
+
+
+class RequestStream:
+    """One request's outputs, accumulated between its handler's reads."""
+
+    __slots__ = (
+        "_logprobs",
+        "_tokens",
+        "_waiter",
+        "arrival",
+        "error",
+        "finish_reason",
+        "first_output_at",
+        "kv_secret",
+        "num_cached_tokens",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "request_id",
+    )
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.arrival = time.monotonic()
+        self.first_output_at: float | None = None
+        self._tokens: list[int] = []
+        self._logprobs: list[float] | None = None
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.kv_secret: str | None = None
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def push(self, out: msgs.ReqOut, now: float) -> None:
+        if self.first_output_at is None:
+            self.first_output_at = now
+        self._tokens += out.tokens
+        if out.logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs += out.logprobs
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_secret is not None:
+            self.kv_secret = out.kv_secret
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None and self.finish_reason is None:
+            self.error = exc
+            self._wake()
+
+    async def get(self) -> Chunk:
+        """Everything new (waits for at least one token or the end); raises the failure, after
+        the tokens that came before it."""
+        while not self._tokens and self.finish_reason is None and self.error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if not self._tokens and self.error is not None:
+            raise self.error
+        tokens, self._tokens = self._tokens, []
+        lps, self._logprobs = self._logprobs, None
+        finish = self.finish_reason if self.error is None else None
+        return Chunk(
+            tokens,
+            lps,
+            finish,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.num_cached_tokens,
+            self.kv_secret,
+        )
+
+
+class CoreClient:
+    """Everything public is called from the event loop."""
+
+    owns_core = True  # this API server starts and stops the core
+
+    def __init__(
+        self, endpoints: CoreEndpoints, client_index: int = 0, context: zmq.Context | None = None
+    ) -> None:
+        self.endpoints = endpoints
+        self.client_index = client_index
+        self._sync_ctx = context or zmq.Context()
+        self.state = "starting"  # starting -> warming -> ready | failed; stopped at shutdown
+        self.reason = "engine is starting"
+        self.core_pid: int | None = None
+        self.info: msgs.EngineInfo | None = None
+        self.warmup_summary: dict[str, Any] = {}
+        self.last_stats: dict[str, Any] = {}
+        self.steps = 0
+        self.busy = False
+        self.last_seen = time.monotonic()
+        self.streams: dict[str, RequestStream] = {}
+        self.ready = asyncio.Event()
+        self.failed = asyncio.Event()
+        self.on_ready: list[Callable[[msgs.EngineInfo], None]] = []
+        self._aborts: list[str] = []
+        self._scrapes: dict[int, asyncio.Future] = {}
+        self._scrape_seq = 0
+        self._releases: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._enc = msgs.encoder()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        actx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
+        self._rx = actx.socket(zmq.PULL)
+        self._rx.setsockopt(zmq.RCVHWM, 0)
+        self._rx.bind(self.endpoints.outputs[self.client_index])
+        self._tx = self._sync_ctx.socket(zmq.PUSH)
+        self._tx.setsockopt(zmq.SNDHWM, 0)
+        self._tx.setsockopt(zmq.LINGER, 1000)
+        self._launch()
+        self._tx.connect(self.endpoints.input)
+        self._send(msgs.Hello(self.client_index, os.getpid()))
+        self._tasks = [
+            asyncio.create_task(self._receive(), name="atom-core-rx"),
+            asyncio.create_task(self._monitor(), name="atom-core-monitor"),
+        ]
+
+    def _launch(self) -> None:
+        """Start the core (subclasses); the output socket is bound already."""
+
+    def core_exit(self) -> str | None:
+        """Why the core is gone (None while it runs)."""
+        return None
+
+    async def _wait_core(self, timeout: float) -> None:
+        """Wait for the core to exit after Shutdown (subclasses)."""
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop the core (if ours); unfinished streams fail."""
+        if self.owns_core and self.core_exit() is None:
+            self._send(msgs.Shutdown())
+            await self._wait_core(timeout)
+        for t in self._tasks:
+            t.cancel()
+        self._fail_all(EngineDead("server is shutting down"))
+        if self.state != "failed":
+            self.state, self.reason = "stopped", "shut down"
+        self._rx.close(linger=0)
+        self._tx.close(linger=1000)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    def num_waiting(self) -> int:
+        """Requests admitted that have not produced a token yet (queued or in prefill)."""
+        return sum(1 for s in self.streams.values() if s.first_output_at is None)
+
+    def liveness(self, timeout_s: float) -> str | None:
+        """None when the core is alive and its loop moved in the last timeout_s (or it is
+        still building/warming, which startup probes gate); else why not."""
+        gone = self.core_exit()
+        if gone is not None:
+            return gone
+        if self.state == "failed":
+            return self.reason
+        quiet = time.monotonic() - self.last_seen
+        if self.state == "ready" and quiet > timeout_s:
+            return f"the engine loop sent nothing for {quiet:.0f}s (hung?)"
+        return None
+
+    # ---- requests -------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        self._tx.send(self._enc.encode(msg), zmq.NOBLOCK)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: msgs.Sampling,
+        *,
+        hold_kv: bool = False,
+        first_token: int | None = None,
+        first_logprob: float | None = None,
+        kv_pull: KVHandle | None = None,
+        cached_tokens: int = 0,
+    ) -> RequestStream:
+        if self.state != "ready":
+            raise EngineDead(f"the engine is {self.state}: {self.reason}")
+        msg = msgs.AddRequest(
+            request_id,
+            self.client_index,
+            prompt_ids,
+            sampling,
+            hold_kv,
+            first_token,
+            first_logprob,
+            kv_pull,
+            cached_tokens,
+        )
+        data = self._enc.encode(msg)  # an unrepresentable value fails here, before any state
+        stream = RequestStream(request_id)
+        self.streams[request_id] = stream
+        self._tx.send(data, zmq.NOBLOCK)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Free the sequence (client gone, stop string hit); safe to call twice. Aborts made
+        in one event-loop turn go to the core in one message."""
+        if self.streams.pop(request_id, None) is None:
+            return
+        if not self._aborts:
+            asyncio.get_running_loop().call_soon(self._flush_aborts)
+        self._aborts.append(request_id)
+
+    def _flush_aborts(self) -> None:
+        ids, self._aborts = self._aborts, []
+        if ids and self.core_exit() is None:
+            self._send(msgs.AbortRequests(ids))
+
+    def release_kv(self, handle: KVHandle) -> None:
+        """A decode request that will not run: the core frees the blocks on their prefill."""
+        self._send(msgs.ReleaseKV(handle))
+
+    def drop_hold(self, request_id: str) -> None:
+        """A prefill-role request whose handler was cancelled: nobody will pull its blocks."""
+        if self.core_exit() is None:
+            self._send(msgs.DropHold(request_id))
+
+    async def release_hold(self, handle: str, secret: str, timeout: float = 5.0) -> bool:
+        """POST /internal/kv/release: the core checks the secret and drops the hold."""
+        if self.state != "ready" or self.core_exit() is not None:
+            return False
+        self._scrape_seq += 1
+        seq = self._scrape_seq
+        fut = asyncio.get_running_loop().create_future()
+        self._releases[seq] = fut
+        self._send(msgs.ReleaseHold(self.client_index, seq, handle, secret))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._releases.pop(seq, None)
+
+    async def scrape(self, timeout: float = 2.0) -> bytes:
+        """The core's own Prometheus series (KV transfers); empty when it does not answer."""
+        if self.state != "ready" or self.core_exit() is not None:
+            return b""  # building or warming: the core answers nothing until its loop runs
+        self._scrape_seq += 1
+        seq = self._scrape_seq
+        fut = asyncio.get_running_loop().create_future()
+        self._scrapes[seq] = fut
+        self._send(msgs.Scrape(self.client_index, seq))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return b""
+        finally:
+            self._scrapes.pop(seq, None)
+
+    def cut_all(self, exc: BaseException) -> None:
+        """End every stream with `exc` and free their sequences (the drain deadline passed)."""
+        ids = list(self.streams)
+        self._fail_all(exc)
+        if ids and self.core_exit() is None:
+            self._send(msgs.AbortRequests(ids))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.fail(exc)
+
+    # ---- core -> API ----------------------------------------------------------------------
+    async def _receive(self) -> None:
+        dec = msgs.output_decoder()
+        rx = self._rx
+        while True:
+            frame = await rx.recv(copy=False)
+            self._dispatch(dec.decode(frame.buffer))
+            while True:  # everything already queued, without another wake-up
+                try:  # with NOBLOCK the future is already done
+                    frame = rx.recv(zmq.NOBLOCK, copy=False).result()
+                except zmq.Again:
+                    break
+                self._dispatch(dec.decode(frame.buffer))
+
+    def _dispatch(self, msg: Any) -> None:
+        now = self.last_seen = time.monotonic()
+        if isinstance(msg, msgs.StepOutputs):
+            self.steps = msg.steps
+            streams = self.streams
+            for out in msg.outputs:
+                stream = streams.get(out.request_id)
+                if stream is None:  # aborted meanwhile
+                    continue
+                if out.finish_reason is not None:
+                    del streams[out.request_id]
+                stream.push(out, now)
+        elif isinstance(msg, msgs.Stats):
+            self.last_stats, self.steps, self.busy = msg.stats, msg.steps, msg.busy
+        elif isinstance(msg, msgs.RequestFailed):
+            stream = self.streams.pop(msg.request_id, None)
+            if stream is not None:
+                stream.fail(RequestRefused(msg.status, msg.code, msg.message))
+        elif isinstance(msg, msgs.EngineStatus):
+            self._status(msg)
+        elif isinstance(msg, msgs.MetricsText):
+            fut = self._scrapes.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.text)
+        elif isinstance(msg, msgs.HoldReleased):
+            fut = self._releases.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.released)
+
+    def _status(self, msg: msgs.EngineStatus) -> None:
+        self.core_pid = msg.pid
+        if self.state in ("failed", "stopped"):
+            return
+        self.state, self.reason = msg.state, msg.reason
+        if msg.info is not None and self.info is None:
+            self.info = msg.info
+            self.warmup_summary = msg.info.warmup
+            for fn in self.on_ready:
+                fn(msg.info)
+        if msg.state == "ready":
+            self.ready.set()
+        elif msg.state == "failed":
+            logger.error("%s", msg.reason)
+            self._fail_all(EngineDead(msg.reason))
+            self.failed.set()
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_S)
+            gone = self.core_exit()
+            if gone is not None and self.state != "stopped":
+                if self.state != "failed":
+                    self.state, self.reason = "failed", gone
+                    logger.error("%s", gone)
+                self._fail_all(EngineDead(self.reason))
+                self.failed.set()
+                return
+
+
+class ProcessCore(CoreClient):
+    """Spawns the engine core process (atom.entrypoints.core.process)."""
+
+    def __init__(self, spec: Any, client_index: int = 0) -> None:
+        super().__init__(spec.endpoints, client_index)
+        self.spec = spec
+        self.proc: Any = None
+
+    def _launch(self) -> None:
+        from atom.entrypoints.core.process import spawn_core
+
+        self.proc = spawn_core(self.spec)
+        self.core_pid = self.proc.pid
+
+    def core_exit(self) -> str | None:
+        if self.proc is None or self.proc.is_alive():
+            return None
+        return f"the engine core (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+
+    async def _wait_core(self, timeout: float) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.proc.join, timeout)
+        if self.proc.is_alive():
+            logger.warning("the engine core did not stop in %.0fs: killing it", timeout)
+            self.proc.kill()
+            self.proc.join(5)
+
+
+class AttachedCore(CoreClient):
+    """An extra API server: the core belongs to the first one (our parent)."""
+
+    owns_core = False
+
+    def __init__(
+        self, endpoints: CoreEndpoints, client_index: int, core_pid: int, parent_pid: int
+    ) -> None:
+        super().__init__(endpoints, client_index)
+        self.core_pid, self.parent_pid = core_pid, parent_pid
+
+    def core_exit(self) -> str | None:
+        if os.getppid() != self.parent_pid:
+            return "the first API server (which owns the engine core) is gone"
+        try:
+            os.kill(self.core_pid or 0, 0)
+        except ProcessLookupError:
+            return f"the engine core (pid {self.core_pid}) is gone"
+        except PermissionError:
+            pass
+        return None
+
+
+class ThreadCore(CoreClient):
+    """The engine core in a thread of this process, over inproc sockets (tests, tools)."""
+
+    def __init__(
+        self, build: Callable[[], Any], params_cls: type | None = None, kv: Any = None
+    ) -> None:
+        """kv: atom.entrypoints.core.process.KVSettings, or None."""
+        tag = f"{os.getpid()}-{id(self)}"
+        endpoints = CoreEndpoints(f"inproc://atom-in-{tag}", [f"inproc://atom-out-{tag}"])
+        super().__init__(endpoints, 0, zmq.Context())
+        self._build, self._params_cls, self._kv = build, params_cls, kv
+        self._thread: threading.Thread | None = None
+        self.core: EngineCore | None = None
+        self._code: int | None = None
+
+    def _launch(self) -> None:
+        bound = threading.Event()  # inproc: the core must bind before we connect
+        self.core = EngineCore(
+            self._build, self.endpoints, self._sync_ctx, params_cls=self._params_cls, bound=bound
+        )
+        if self._kv is not None:
+            from atom.entrypoints.core.kv import CoreKV
+
+            self.core.kv = CoreKV(self._kv.service(), self.core.wake)
+        core = self.core
+
+        def run() -> None:
+            try:
+                self._code = core.run()
+            except BaseException:
+                logger.exception("engine core thread failed")
+                self._code = 1
+            bound.set()
+
+        self._thread = threading.Thread(target=run, name="atom-engine-core", daemon=True)
+        self._thread.start()
+        bound.wait(10)
+        self.core_pid = os.getpid()
+
+    @property
+    def engine(self) -> Any:
+        return self.core.engine if self.core is not None else None
+
+    def core_exit(self) -> str | None:
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return f"the engine core thread ended (code {self._code})"
+
+    async def _wait_core(self, timeout: float) -> None:
+        # A core still building or warming up cannot be interrupted; its thread is a daemon.
+        if self._thread is not None and self.state == "ready":
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)

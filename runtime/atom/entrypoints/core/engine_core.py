@@ -1,0 +1,431 @@
+"""The engine core: builds and warms the engine, then loops over steps, alone in its process.
+
+Each turn drains the input socket without blocking (adds and aborts that arrived together join
+one batch), runs one `LLMEngine.step()`, and sends one StepOutputs message with every request
+that moved. Sends never block (no high-water mark): the loop never waits on an API server.
+When idle it sleeps in a poll, waking for input, for a finished KV pull, or to send the
+heartbeat (Stats) that /livez reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from atom.disagg.holds import HoldCapExceeded
+from atom.entrypoints.core.messages import (
+    AbortRequests,
+    AddRequest,
+    DropHold,
+    EngineInfo,
+    EngineStatus,
+    Hello,
+    HoldReleased,
+    MetricsText,
+    ReleaseHold,
+    ReleaseKV,
+    ReqOut,
+    RequestFailed,
+    Sampling,
+    Scrape,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    encoder,
+    input_decoder,
+)
+from atom.wire.errors import INVALID_REQUEST, KV_HOLD_CAP, kv_status
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50  # also how often held KV blocks are reclaimed while idle
+HEARTBEAT_S = 1.0
+BUSY_STATS_S = 0.25
+
+
+@dataclass
+class CoreEndpoints:
+    """ZeroMQ addresses: the core binds `input`; each API server i binds `outputs[i]`."""
+
+    input: str
+    outputs: list[str]
+
+
+@dataclass
+class EngineCore:
+    build: Callable[[], Any]  # -> LLMEngine (or anything with its API)
+    endpoints: CoreEndpoints
+    context: zmq.Context
+    kv: Any = None  # atom.entrypoints.core.kv.CoreKV, or None
+    params_cls: type | None = None
+    parent_pid: int | None = None  # exit when this process is gone (the API server died)
+    bound: threading.Event | None = None  # set once the input socket is bound (inproc needs it)
+    engine: Any = None
+    state: str = "starting"
+    reason: str = "engine is starting"
+    steps: int = 0
+    info: EngineInfo | None = None
+    _owner: dict[str, int] = field(default_factory=dict)  # request id -> API server index
+    # prefill-role requests still running: their room under --max-held-kv-fraction
+    _reserved: dict[str, Any] = field(default_factory=dict)  # -> atom.disagg.holds.Reservation
+    _registry: Any = None
+    _stats_due: bool = False  # send Stats at the end of this turn
+
+    # ---- sockets --------------------------------------------------------------------------
+    def _open(self) -> None:
+        ctx = self.context
+        self._in = ctx.socket(zmq.PULL)
+        self._in.setsockopt(zmq.RCVHWM, 0)
+        self._in.bind(self.endpoints.input)
+        self._outs = []
+        for addr in self.endpoints.outputs:
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow API server
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(addr)
+            self._outs.append(s)
+        self._wake_addr = f"inproc://atom-core-wake-{id(self)}"
+        self._wake_in = ctx.socket(zmq.PULL)
+        self._wake_in.bind(self._wake_addr)
+        self._wake_out: Any = None
+        self._poller = zmq.Poller()
+        self._poller.register(self._in, zmq.POLLIN)
+        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._enc = encoder()
+        self._dec = input_decoder()
+        if self.bound is not None:
+            self.bound.set()
+
+    def wake(self) -> None:
+        """Called from the KV I/O thread only (its own socket)."""
+        if self._wake_out is None:
+            self._wake_out = self.context.socket(zmq.PUSH)
+            self._wake_out.connect(self._wake_addr)
+        self._wake_out.send(b"")
+
+    def _send(self, client: int, msg: Any) -> None:
+        if 0 <= client < len(self._outs):
+            self._outs[client].send(self._enc.encode(msg))
+
+    def _broadcast(self, msg: Any) -> None:
+        data = self._enc.encode(msg)
+        for s in self._outs:
+            s.send(data)
+
+    def _status(self) -> EngineStatus:
+        return EngineStatus(self.state, self.reason, os.getpid(), self.info)
+
+    def _set_state(self, state: str, reason: str) -> None:
+        self.state, self.reason = state, reason
+        self._broadcast(self._status())
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def run(self) -> int:
+        """Build, warm up, loop; the exit code (0 after Shutdown, 1 when the engine failed)."""
+        self._open()
+        try:
+            return self._run()
+        finally:
+            if self.kv is not None:
+                self.kv.close()
+            for s in (self._in, self._wake_in, *self._outs):
+                s.close(linger=1000)
+
+    def _run(self) -> int:
+        from prometheus_client import CollectorRegistry, ProcessCollector
+
+        self._registry = CollectorRegistry()
+        # ThreadCore shares its process with the API server, whose collector already covers it.
+        if self.parent_pid is not None:
+            ProcessCollector(namespace="atom_core", registry=self._registry)
+        try:
+            self._set_state("starting", "building the engine (model, KV cache)")
+            kv_port = None
+            if self.kv is not None:
+                kv_port = self.kv.start(
+                    self._registry, lambda: getattr(self.engine, "kv_holds", None)
+                )
+                if kv_port is not None:
+                    print(f"ATOM KV server listening on port {kv_port}", flush=True)
+            self.engine = self.build()
+            if self.params_cls is None:
+                from atom.engine import SamplingParams
+
+                self.params_cls = SamplingParams
+            if self.kv is not None:
+                self.kv.attach(self.engine)
+            self._set_state("warming", "warming up: compiling and capturing CUDA graphs")
+            warmup = dict(self.engine.warmup() or {})
+            self.info = self._engine_info(warmup)
+            # The model, compiled graphs and caches live for the whole process: keep the
+            # cyclic collector from walking them again and again between steps.
+            gc.collect()
+            gc.freeze()
+            self._set_state("ready", "ready")
+        except Exception as exc:
+            logger.exception("engine start-up failed")
+            self._set_state("failed", f"engine start-up failed: {exc}")
+            return 1
+        try:
+            return self._loop()
+        except Exception as exc:
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            self._set_state("failed", f"engine step failed: {exc}")
+            return 1
+
+    def _engine_info(self, warmup: dict[str, Any]) -> EngineInfo:
+        from atom.entrypoints.info import config_info, graph_info
+
+        config = getattr(self.engine, "config", None)
+        hf = getattr(self.engine, "hf_config", None)
+        return EngineInfo(
+            max_model_len=int(getattr(config, "max_model_len", 0) or 0),
+            vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
+            config=_jsonable(config_info(config)) if config is not None else {},
+            graphs=_jsonable(graph_info(self.engine)),
+            warmup=_jsonable(warmup),
+            kv=self.kv.info() if self.kv is not None else None,
+        )
+
+    def _loop(self) -> int:
+        engine = self.engine
+        reclaim = getattr(engine, "reclaim_kv", None)
+        last_stats = 0.0
+        last_parent_check = time.monotonic()
+        while True:
+            busy = engine.has_unfinished_requests()
+            if busy:  # no syscall when nothing is queued: the socket says so itself
+                if self._in.getsockopt(zmq.EVENTS) & zmq.POLLIN and self._drain():
+                    return 0
+            else:
+                events = dict(self._poller.poll(IDLE_POLL_MS))
+                if self._wake_in in events:
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                if self._in in events and self._drain():
+                    return 0
+            if self.kv is not None:
+                self._add_pulled()
+            now = time.monotonic()
+            if engine.has_unfinished_requests():
+                outs = engine.step()  # reclaims freed KV holds itself
+                self.steps += 1
+                if outs:
+                    self._route(outs)
+            elif reclaim is not None:
+                reclaim()  # held KV blocks that were pulled or timed out, while idle too
+            # Also at once when work just ended or was refused: /status then shows what it left.
+            due = self._stats_due or (busy and not engine.has_unfinished_requests())
+            if due or now - last_stats >= (BUSY_STATS_S if busy else HEARTBEAT_S):
+                last_stats, self._stats_due = now, False
+                self._broadcast(Stats(self._stats(), self.steps, busy))
+            if now - last_parent_check >= 0.5:
+                last_parent_check = now
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    logger.error("the API server (pid %d) is gone: exiting", self.parent_pid)
+                    return 1
+
+    def _route(self, outs: list[Any]) -> None:
+        """One StepOutputs per API server that has a request in this step."""
+        owner = self._owner
+        if len(self._outs) == 1:
+            batch = [self._req_out(o) for o in outs]
+            for o in outs:
+                if o.finished:
+                    owner.pop(o.request_id, None)
+            self._outs[0].send(self._enc.encode(StepOutputs(batch, self.steps)))
+            return
+        per: dict[int, list[ReqOut]] = {}
+        for o in outs:
+            client = owner.get(o.request_id, 0)
+            if o.finished:
+                owner.pop(o.request_id, None)
+            per.setdefault(client, []).append(self._req_out(o))
+        for client, batch in per.items():
+            self._send(client, StepOutputs(batch, self.steps))
+
+    def _req_out(self, o: Any) -> ReqOut:
+        out = _req_out(o)
+        if o.finished and self._reserved:
+            reservation = self._reserved.pop(o.request_id, None)
+            if reservation is not None:  # its hold is registered now (or it ended without one)
+                reservation.__exit__(None, None, None)
+                out.kv_secret = self.kv.service.keys.secret_for(o.request_id)
+        return out
+
+    def _stats(self) -> dict[str, Any]:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:  # stats are best effort; never kill the loop for them
+            logger.debug("engine.stats() failed", exc_info=True)
+            return {}
+        from atom.utils.counters import counters
+
+        stats["counters"] = counters.snapshot()  # this process' compile/graph counters
+        holds = getattr(self.engine, "kv_holds", None)
+        if holds is not None:
+            stats["kv_holds"] = holds.num_holds
+            stats["kv_holds_expired"] = holds.stats.expired
+            stats["kv_blocks_held"] = holds.num_blocks_held
+        if self.kv is not None:
+            stats["kv_hold_cap_refused"] = self.kv.service.cap.refused
+        return _jsonable(stats)
+
+    # ---- input ----------------------------------------------------------------------------
+    def _drain(self) -> bool:
+        """Handle every queued message; True on Shutdown."""
+        while True:
+            try:
+                raw = self._in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            msg = self._dec.decode(raw.buffer)
+            if isinstance(msg, AddRequest):
+                self._add(msg)
+            elif isinstance(msg, AbortRequests):
+                for rid in msg.request_ids:
+                    self._abort(rid)
+            elif isinstance(msg, ReleaseKV):
+                if self.kv is not None:
+                    self.kv.release(msg.handle)
+            elif isinstance(msg, DropHold):
+                self._drop_hold(msg.request_id)
+            elif isinstance(msg, ReleaseHold):
+                ok = self.kv is not None and self.kv.service.release_verified(
+                    msg.handle, msg.secret
+                )
+                self._send(msg.client, HoldReleased(msg.seq, ok))
+            elif isinstance(msg, Hello):
+                self._send(msg.client, self._status())
+            elif isinstance(msg, Scrape):
+                self._scrape(msg)
+            elif isinstance(msg, Shutdown):
+                self._set_state("stopped", "shut down")
+                return True
+
+    def _add(self, msg: AddRequest) -> None:
+        self._owner[msg.request_id] = msg.client
+        if msg.kv_pull is not None and self.kv is not None:
+            self.kv.pull(msg)  # added once the blocks are here
+            return
+        self._add_now(msg, None)
+
+    def _add_now(self, msg: AddRequest, blocks: Any) -> None:
+        engine = self.engine
+        try:
+            params = self.params_cls(**_params(msg.sampling))
+            if msg.first_token is not None:
+                engine.add_prefilled_request(
+                    msg.request_id,
+                    msg.prompt_ids,
+                    msg.first_token,
+                    params,
+                    blocks,
+                    msg.first_logprob,
+                    cached_tokens=msg.cached_tokens,
+                )
+            elif msg.hold_kv:
+                self._add_holding(msg, params)
+            else:
+                engine.add_request(msg.request_id, msg.prompt_ids, params)
+        except HoldCapExceeded as exc:  # --max-held-kv-fraction: busy, not unwell
+            self._fail(msg.request_id, 503, KV_HOLD_CAP, str(exc))
+            self._stats_due = True
+        except (ValueError, TypeError, OverflowError) as exc:  # the engine names the limit
+            self._unreserve(msg.request_id)
+            self._fail(msg.request_id, 400, INVALID_REQUEST, str(exc))
+
+    def _add_holding(self, msg: AddRequest, params: Any) -> None:
+        """A prefill-role request: room under the hold cap first, kept until it finishes."""
+        if self.kv is not None:
+            self._reserved[msg.request_id] = self.kv.service.reserve(len(msg.prompt_ids))
+        self.engine.add_request(msg.request_id, msg.prompt_ids, params, hold_kv=True)
+
+    def _unreserve(self, rid: str) -> None:
+        reservation = self._reserved.pop(rid, None)
+        if reservation is not None:
+            reservation.__exit__(None, None, None)
+
+    def _drop_hold(self, rid: str) -> None:
+        """The prefill's API handler was cancelled: nobody will pull its blocks."""
+        self._abort(rid)
+        self._unreserve(rid)
+        if self.kv is not None:
+            self.kv.service.release_local(rid)
+
+    def _add_pulled(self) -> None:
+        done = self.kv.done
+        while done:
+            d = done.popleft()
+            rid = d.req.request_id
+            if rid not in self._owner:  # aborted while its blocks were on the way
+                if d.error is None and d.req.kv_pull is not None:
+                    self.kv.release(d.req.kv_pull)  # free them on the prefill now
+                continue
+            if d.error is not None:
+                self._fail(rid, kv_status(d.error.code), d.error.code, d.error.message)
+            else:
+                self._add_now(d.req, d.blocks)
+
+    def _abort(self, rid: str) -> None:
+        self._unreserve(rid)
+        if self._owner.pop(rid, None) is None:
+            return
+        try:
+            self.engine.abort_request(rid)
+        except (KeyError, ValueError):
+            pass  # already finished
+
+    def _fail(self, rid: str, status: int, code: str, message: str) -> None:
+        client = self._owner.pop(rid, 0)
+        self._send(client, RequestFailed(rid, status, code, message))
+
+    def _scrape(self, msg: Scrape) -> None:
+        from prometheus_client import generate_latest
+
+        self._send(msg.client, MetricsText(msg.seq, generate_latest(self._registry)))
+
+
+def _params(s: Sampling) -> dict[str, Any]:
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "seed": s.seed,
+        "max_tokens": s.max_tokens,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "logprobs": s.logprobs,
+    }
+
+
+def _req_out(o: Any) -> ReqOut:
+    return ReqOut(
+        o.request_id,
+        o.new_token_ids,
+        o.new_logprobs,
+        (o.finish_reason or "stop") if o.finished else None,
+        o.num_prompt_tokens,
+        o.num_output_tokens,
+        getattr(o, "num_cached_tokens", 0),
+    )
+
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON types only (msgpack carries them; /status prints them)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)

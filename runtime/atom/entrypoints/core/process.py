@@ -1,0 +1,108 @@
+"""Starting the engine core in its own process, and tying its life to its parent's.
+
+The core is spawned (not forked: the parent may hold threads and an event loop) and asks the
+kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), with a getppid() poll in the loop
+as a second guard, so no orphan keeps the GPU. It ignores SIGINT/SIGTERM: the API server owns
+the drain and tells the core when to stop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from atom.entrypoints.core.engine_core import CoreEndpoints
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent exits (Linux); exit now if it already has."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the loop's getppid() poll still guards
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def new_endpoints(num_api_servers: int) -> CoreEndpoints:
+    """IPC socket paths in a fresh private directory."""
+    base = tempfile.mkdtemp(prefix="atom-ipc-")
+    return CoreEndpoints(
+        input=f"ipc://{base}/core-in",
+        outputs=[f"ipc://{base}/api-{i}" for i in range(num_api_servers)],
+    )
+
+
+@dataclass
+class KVSettings:
+    """atom.disagg.service.KVService's settings, built into one inside the core (which keeps
+    torch out of the API server)."""
+
+    host: str = "0.0.0.0"
+    port: int | None = None  # None: serves no blocks (0: any free port)
+    advertise_host: str | None = None
+    hold_seconds: float = 30.0
+    pull_timeout: float = 30.0
+    max_held_fraction: float = 0.5  # --max-held-kv-fraction
+
+    def service(self) -> Any:
+        from atom.disagg.service import KVService
+
+        return KVService(**asdict(self))
+
+
+@dataclass
+class CoreSpec:
+    """Everything the core process needs; pickled to the spawned child."""
+
+    config: Any  # atom.config.Config
+    endpoints: CoreEndpoints
+    kv: KVSettings | None
+    parent_pid: int
+    log_level: str = "info"
+
+
+def core_main(spec: CoreSpec) -> None:
+    """The core process' entry point."""
+    die_with_parent(spec.parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(
+        level=getattr(logging, spec.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    import zmq
+
+    from atom.entrypoints.core.engine_core import EngineCore
+    from atom.entrypoints.core.kv import CoreKV
+
+    def build() -> Any:
+        from atom.engine import LLMEngine
+
+        return LLMEngine(spec.config)
+
+    core = EngineCore(build, spec.endpoints, zmq.Context(), parent_pid=spec.parent_pid)
+    core.kv = CoreKV(spec.kv.service(), core.wake) if spec.kv is not None else None
+    code = core.run()
+    logging.shutdown()
+    os._exit(code)  # no atexit work: the engine's memory goes with the process
+
+
+def spawn_core(spec: CoreSpec) -> multiprocessing.process.BaseProcess:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=core_main, args=(spec,), name="atom-engine-core", daemon=False
+    )
+    proc.start()
+    return proc
