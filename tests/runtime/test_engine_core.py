@@ -270,7 +270,7 @@ def test_core_death_fails_every_stream_quickly_and_the_server_exits_nonzero() ->
                 )
                 or end == "data: [DONE]"
             ), end
-        assert proc.proc.wait(10) != 0
+        assert proc.proc.wait(30) != 0  # the streams ended within 5 s (above); exiting can take longer on a loaded machine
         assert "engine core" in proc.log()
     finally:
         proc.stop()
