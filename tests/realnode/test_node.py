@@ -71,14 +71,14 @@ def test_pods_reach_the_api_server_and_cluster_dns(
 def test_operator_pod_runs_with_the_charts_rbac(operator_release: str, kubectl: Kubectl) -> None:
     selector = "app.kubernetes.io/name=atom-operator,app.kubernetes.io/component=operator"
     pods = kubectl.json("pods", "-n", operator_release, "-l", selector)["items"]
-    assert len(pods) == 1
-    pod = pods[0]
-    assert pod["spec"]["nodeName"] == NODE_NAME
-    assert all(s["ready"] for s in pod["status"]["containerStatuses"])
-    # It really watches: a namespace's AtomDeployment gets its children (see test_atomd), and
-    # nothing in its log says the API server refused it.
-    logs = kubectl("logs", "-n", operator_release, pod["metadata"]["name"]).stdout
-    assert "forbidden" not in logs.lower(), logs[-3000:]
+    assert len(pods) == 2  # the chart's default: two replicas, one leader (a Lease)
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == NODE_NAME
+        assert all(s["ready"] for s in pod["status"]["containerStatuses"])
+        # It really watches: a namespace's AtomDeployment gets its children (see test_atomd),
+        # and nothing in either log says the API server refused it.
+        logs = kubectl("logs", "-n", operator_release, pod["metadata"]["name"]).stdout
+        assert "forbidden" not in logs.lower(), logs[-3000:]
 
 
 def test_helm_test_passes(operator_release: str, kubectl: Kubectl) -> None:

@@ -566,9 +566,10 @@ def test_600_concurrent_requests_survive_a_backend_whose_health_turns_slow() -> 
             rs = await asyncio.gather(*calls)
             health = (await c.get(router + "/metrics")).text
             probed = (await c.get(router + "/health")).json()["backends"]["decode"][1]
-        # d2's probes really timed out, over and over, while its streams ran
+        # d2's probes really timed out, in a row (2 takes a silent instance out: out_after),
+        # while its streams ran; how many more fit depends on the machine's speed
         timeouts = int(probed["reason"].split("timed out (")[1].split("x")[0])
-        assert probed["status"] is None and timeouts >= 3, probed
+        assert probed["status"] is None and timeouts >= 2, probed
         assert [r.status_code for r in rs] == [200] * 600
         assert all(sse_ok(r, 4) for r in rs)
         assert len(d1.bodies) + len(d2.bodies) == 600 and len(d2.bodies) > 100
