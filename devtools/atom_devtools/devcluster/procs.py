@@ -55,17 +55,34 @@ class Process:
             pass
 
     def wait(self, timeout: float) -> bool:
+        """Whether the whole group ended within `timeout`: the leader can exit before members
+        it started (the runtime's engine-core process exits after its API server)."""
         if self.popen is None:
             return True
+        deadline = time.monotonic() + timeout
         try:
             self.popen.wait(timeout=timeout)
-            return True
         except subprocess.TimeoutExpired:
             return False
+        while _group_alive(self.popen.pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def describe_exit(self) -> str:
         state = "is running" if self.alive else f"exited with {self.popen and self.popen.returncode}"
         return f"{self.name} {state}; last lines of {self.log}:\n{tail(self.log)}"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def stop_all(procs: list[Process], grace: float = 10.0) -> None:
