@@ -483,7 +483,7 @@ def test_engine_build_failure_exits_1() -> None:
             engine=AsyncEngine(broken, params_cls=SamplingParams), served_model_name="s", model="s"
         )
         return await asyncio.wait_for(
-            serve(state, "127.0.0.1", free_port(), install_signals=False), 10
+            serve(state, "127.0.0.1", free_port(), install_signals=False), 60
         )
 
     assert asyncio.run(main()) == 1
