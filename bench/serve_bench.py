@@ -11,7 +11,8 @@ Scenarios: 1, 16, 64, 256 clients with 128-token prompts and 128 output tokens (
 and 64 clients with 1,024-token prompts. Each client sends --requests-per-client requests back
 to back; offline runs the same number of prompts in batches of the concurrency. Requests ask
 for logprobs so every token is counted where it arrives (a chunk of k tokens spreads its gap
-over them), as the baseline in issue 26 was measured.
+over them), as the baseline in issue 26 was measured; offline asks for them too (the same
+work: a fp32 log-softmax over the vocabulary and a copy per step).
 
     # the H200 (defaults: llama-3.2-1b shape, dummy weights, level 3, TR_HYBRID)
     python bench/serve_bench.py --out bench/results/serve/$(date +%F)-h200.json
@@ -141,7 +142,7 @@ async def one_request(session: Any, url: str, body: dict[str, Any]) -> RequestRe
 
 
 async def _clients(
-    url: str, model: str, prompts: list[list[int]], clients: int, output_len: int
+    url: str, model: str, prompts: list[list[int]], clients: int, output_len: int, logprobs: bool
 ) -> list[RequestResult]:
     import aiohttp
 
@@ -159,8 +160,8 @@ async def _clients(
                     "max_tokens": output_len,
                     "ignore_eos": True,
                     "stream": True,
-                    "logprobs": 1,
                     "temperature": 0.0,
+                    **({"logprobs": 1} if logprobs else {}),
                 }
                 out.append(await one_request(session, url, body))
             return out
@@ -170,13 +171,15 @@ async def _clients(
 
 
 def _client_proc(
-    url: str, model: str, prompts: list[list[int]], clients: int, output_len: int
+    url: str, model: str, prompts: list[list[int]], clients: int, output_len: int, logprobs: bool
 ) -> list[dict[str, Any]]:
-    results = asyncio.run(_clients(url, model, prompts, clients, output_len))
+    results = asyncio.run(_clients(url, model, prompts, clients, output_len, logprobs))
     return [asdict(r) for r in results]
 
 
-def run_served(url: str, model: str, sc: Scenario, seed: int, procs: int) -> dict[str, Any]:
+def run_served(
+    url: str, model: str, sc: Scenario, seed: int, procs: int, logprobs: bool = True
+) -> dict[str, Any]:
     prompts = prompts_for(sc, seed)
     procs = max(1, min(procs, sc.clients))
     shares = [sc.clients // procs + (1 if i < sc.clients % procs else 0) for i in range(procs)]
@@ -187,7 +190,8 @@ def run_served(url: str, model: str, sc: Scenario, seed: int, procs: int) -> dic
         at += n
     with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
         futs = [
-            pool.submit(_client_proc, url, model, ps, share, sc.output_len) for ps, share in jobs
+            pool.submit(_client_proc, url, model, ps, share, sc.output_len, logprobs)
+            for ps, share in jobs
         ]
         results = [RequestResult(**r) for f in futs for r in f.result()]
     ok = [r for r in results if r.ok]
@@ -266,7 +270,9 @@ def offline_worker(spec_json: str) -> None:
     out = []
     for sc in (Scenario(**s) for s in spec["scenarios"]):
         prompts = prompts_for(sc, spec["seed"])
-        params = SamplingParams(temperature=0.0, max_tokens=sc.output_len, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=sc.output_len, ignore_eos=True, logprobs=spec["logprobs"]
+        )
         engine.generate(
             prompts[: sc.clients], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         )
@@ -280,9 +286,16 @@ def offline_worker(spec_json: str) -> None:
     print("OFFLINE " + json.dumps(out), flush=True)
 
 
-def run_offline(server_args: list[str], scenarios: list[Scenario], seed: int) -> list[dict]:
+def run_offline(
+    server_args: list[str], scenarios: list[Scenario], seed: int, logprobs: bool = True
+) -> list[dict]:
     spec = json.dumps(
-        {"server_args": server_args, "scenarios": [asdict(s) for s in scenarios], "seed": seed}
+        {
+            "server_args": server_args,
+            "scenarios": [asdict(s) for s in scenarios],
+            "seed": seed,
+            "logprobs": logprobs,
+        }
     )
     cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", spec]
     env = {
@@ -380,6 +393,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-offline", action="store_true", help="served numbers only")
     p.add_argument(
+        "--no-logprobs",
+        action="store_true",
+        help="requests (and offline params) without logprobs; a chunk then counts as one token",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="CPU smoke run: tiny-llama, level 0, float32, 1/4/16 clients, short",
@@ -448,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         run_served(url, model, warm, args.seed + 1, 1)  # first requests pay one-time costs
         served = []
         for sc in scenarios:
-            served.append(run_served(url, model, sc, args.seed, args.client_procs))
+            served.append(
+                run_served(url, model, sc, args.seed, args.client_procs, not args.no_logprobs)
+            )
             print(
                 f"served  {sc.name}: {served[-1]['tok_s']} tok/s, {served[-1]['failed']} failed",
                 flush=True,
@@ -458,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     offline = (
         [{"tok_s": 0.0}] * len(scenarios)
         if args.no_offline
-        else run_offline(engine_args, scenarios, args.seed)
+        else run_offline(engine_args, scenarios, args.seed, not args.no_logprobs)
     )
     rows = [
         {
