@@ -158,6 +158,16 @@ class BlockManager:
         seq.num_computed_tokens = len(hit) * self.block_size
         self.grow(seq, num_tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody uses, and the counters (after a synthetic warm-up).
+        Blocks in use keep their keys: their sequences still hold them."""
+        for block in self.evictable:
+            del self.cached[self.block_hash[block]]  # type: ignore[arg-type]
+            self.block_hash[block] = None
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        self.stats = PrefixCacheStats()
+
     def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:
         """Count a request's first admission (queries and hits in prompt tokens)."""
         seq.num_cached_tokens = cached_tokens

@@ -25,6 +25,7 @@ from atom.disagg.kv_blocks import scatter_blocks
 from atom.disagg.layout import model_identity
 from atom.engine.batch import StepBatch
 from atom.engine.block_manager import BlockManager
+from atom.engine.eager_warmup import warm_eager_paths
 from atom.engine.model_runner import ModelRunner
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.engine.prefix_cache import BlockHash, root_hash
@@ -145,6 +146,7 @@ class LLMEngine:
             compile_s += self.draft_runner.warmup_model()
             draft_s, draft_sizes = self.draft_runner.capture_cudagraph()
             capture_s += draft_s
+        eager_s = warm_eager_paths(self)
         cc = self.config.compilation_config
         self.warmup_summary = {
             "model": self.config.model,
@@ -153,6 +155,7 @@ class LLMEngine:
             "warmup_seconds": round(time.perf_counter() - t0, 3),
             "compile_seconds": round(compile_s, 3),
             "capture_seconds": round(float(capture_s), 3),
+            "eager_warmup_seconds": round(eager_s, 3),
             "captured_sizes": list(sizes),
             "draft_captured_sizes": list(draft_sizes),
             "kv_blocks_total": self.block_manager.num_blocks,
