@@ -3,8 +3,6 @@ examples, and the chart, written as YAML files into a folder."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +15,17 @@ sys.path[:0] = [str(ROOT / "tests" / "operator"), str(ROOT / "tests" / "chart")]
 
 
 def tool(name: str) -> str:
-    """The linter's binary: $ATOM_<NAME>, else on PATH; the test skips without it."""
-    variable = f"ATOM_{name.upper()}"
-    found = os.environ.get(variable) or shutil.which(name)
-    if not found:
-        pytest.skip(f"{name} is not installed (set {variable})")
-    return found
+    """The pinned linter where `hack/controlplane install` put it ($ATOM_CACHE_DIR); the test
+    skips only when it is not installed there."""
+    from atom_devtools.devcluster.cache import LINT_COMPONENTS
+
+    comp = LINT_COMPONENTS[name]
+    if not comp.is_installed():
+        pytest.skip(
+            f"{name} {comp.version} is not installed in {comp.bin_dir} "
+            f"(run hack/controlplane install {name})"
+        )
+    return str(comp.path())
 
 
 def write_children(out: Path) -> None:

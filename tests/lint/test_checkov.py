@@ -1,8 +1,9 @@
 """checkov's Kubernetes checks over every child the operator renders (golden specs and
 examples) and over the chart, with the documented skip list (checkov_skips.yaml).
 
-checkov is not a project dependency (its own pins would move the shared environment): set
-ATOM_CHECKOV to its binary or put it on PATH (`python -m venv v && v/bin/pip install checkov`).
+checkov is not a project dependency (its own pins would move the shared environment):
+`hack/controlplane install` puts the pinned version in a venv of its own under
+$ATOM_CACHE_DIR/tools (versions.CHECKOV).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`kubeconform -strict` over every child the operator renders and over the chart, against
 JSON schemas made from the local API server's own OpenAPI (v2), not a download.
 
-kubeconform is built from the Go module proxy
-(`go install github.com/yannh/kubeconform/cmd/kubeconform@v0.8.0`): set ATOM_KUBECONFORM to
-the binary or put it on PATH.
+`hack/controlplane install` builds the pinned kubeconform (versions.KUBECONFORM) from the Go
+module proxy into $ATOM_CACHE_DIR/bin.
 """
 
 from __future__ import annotations

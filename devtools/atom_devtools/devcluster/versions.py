@@ -8,6 +8,10 @@ KUBERNETES = "v1.36.3"
 ETCD = "v3.6.8"
 KWOK = "v0.8.0"
 HELM = "v3.22.0"
+# The linters tests/lint runs (not needed by the cluster): kubeconform from the Go module proxy,
+# checkov from PyPI into its own virtualenv.
+KUBECONFORM = "v0.8.0"
+CHECKOV = "3.3.30"
 # The real node (LocalCluster(real_node=True)): kubelet and kube-proxy come from KUBERNETES.
 CONTAINERD = "v2.4.2"
 COREDNS = "v1.15.0"
