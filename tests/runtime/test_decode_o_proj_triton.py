@@ -87,18 +87,20 @@ def test_fused_kernel_compiles_for_hopper_without_a_gpu() -> None:
     sig |= {n: "i32" for n in ("stride_q", "stride_k", "stride_v", "stride_o", "stride_bt")}
     sig |= {"w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16",
             "sync_ptr": "*i32"}
-    sig |= {n: "i32" for n in ("n_attn", "N", "K", "stride_w")}
+    sig |= {n: "i32" for n in ("n_attn", "M", "N", "K", "stride_w", "stride_r", "stride_y")}
     consts = {"NUM_KV_HEADS": 8, "GROUP": 4, "BLOCK_H": 16, "GROUP_P2": 4, "HEAD_DIM": 64,
               "BLOCK_D": 64, "BLOCK_SIZE": 16, "TILE_N": 64, "Q_LEN": 1, "NUM_SPLITS": 24,
               "COMBINE_CHUNK": 8, "PRECISION": None, "ROPE": True, "STORE": True,
               "HAS_BIAS": False, "HAS_RES": True,
               "BLOCK_N": tuning.FUSED_O_PROJ_STRIP_BYTES // (2048 * 2), "BLOCK_K": 2048, "LINE": fused._LINE,
-              "PRELOAD": True, "PDL": True}
+              "PRELOAD": True, "PDL": True, "BLOCK_M": 1}
     sig |= {n: "constexpr" for n in consts}
-    compiled = compile_for_hopper(fused._decode_o_proj_kernel, sig, consts,
-                                  num_warps=tuning.FUSED_O_PROJ_WARPS)
-    regs, spilled = hopper_registers(compiled)
-    assert spilled == 0 and regs * 32 * tuning.FUSED_O_PROJ_WARPS <= 65536, (regs, spilled)
+    for block_m in (1, 4):  # one row; a self-draft k = 3 verify of one request (launch_rows)
+        compiled = compile_for_hopper(fused._decode_o_proj_kernel, sig,
+                                      consts | {"BLOCK_M": block_m},
+                                      num_warps=tuning.FUSED_O_PROJ_WARPS)
+        regs, spilled = hopper_registers(compiled)
+        assert spilled == 0 and regs * 32 * tuning.FUSED_O_PROJ_WARPS <= 65536, (regs, spilled)
 
 
 if __name__ == "__main__":

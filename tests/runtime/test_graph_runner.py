@@ -285,8 +285,9 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
         assert gr.token_sizes("decode") == [2, 4]
     assert gr.plan(False, 2, 4, q_len=2).rows == 4
     with torch.inference_mode():
-        ids, pos, md, ctx = runner.build_dummy_decode(2, 2)
-        assert md.max_seqlen_q == 2
+        # A verify step's layout (atom.spec_decode.decoder): 2 one-token rows per request.
+        ids, pos, md, ctx = runner.build_dummy_decode(2, 2, verify=True)
+        assert (md.max_seqlen_q, md.request_q_len, ctx.running_bs) == (1, 2, 2)
         ids.copy_(torch.tensor([7, 8, 9, 10]))
         with runner.step_context(md, ctx):
             out = gr.maybe_replay(runner, ids)

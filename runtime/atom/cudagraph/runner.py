@@ -71,7 +71,7 @@ class GraphRunnerHost(Protocol):
     forward_vars: dict[str, torch.Tensor]  # the persistent step buffers ("outputs" among them)
 
     def build_dummy_decode(
-        self, num_seqs: int, q_len: int = 1
+        self, num_seqs: int, q_len: int = 1, verify: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]: ...
 
     def set_context(self, meta: AttentionMetaData, context: Context) -> None: ...
@@ -314,11 +314,20 @@ class GraphRunner:
         )
 
     def pad_sizes(
-        self, runner: GraphRunnerHost | None, seqs: SequenceOf[ScheduledCount], is_prefill: bool
+        self,
+        runner: GraphRunnerHost | None,
+        seqs: SequenceOf[ScheduledCount],
+        is_prefill: bool,
+        verify_rows: int = 1,
     ) -> tuple[int | None, int | None]:
-        """(pad_to_rows, pad_to_seqs) for ModelRunner.prepare_inputs; (None, None): eager."""
+        """(pad_to_rows, pad_to_seqs) for ModelRunner.prepare_inputs; (None, None): eager.
+        verify_rows > 1: a verify step whose seqs are one-token rows, verify_rows per request;
+        it plans as len(seqs) / verify_rows requests of verify_rows rows (bucket (bs, k))."""
         num_tokens = sum(int(s.num_scheduled_tokens) for s in seqs)
         q_len = 1 if is_prefill else max((int(s.num_scheduled_tokens) for s in seqs), default=1)
+        if verify_rows > 1 and not is_prefill:
+            plan = self.plan(False, len(seqs) // verify_rows, num_tokens, verify_rows)
+            return (plan.rows, plan.rows) if plan.padded else (None, None)
         plan = self.plan(is_prefill, len(seqs), num_tokens, q_len)
         return (plan.rows, plan.seqs) if plan.padded else (None, None)
 
@@ -359,8 +368,9 @@ class GraphRunner:
     def _dummy(
         self, runner: GraphRunnerHost, bs: int, is_prefill: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Install a fake decode batch of bs sequences in the forward context."""
-        ids, positions, md, ctx = runner.build_dummy_decode(bs, self.q_len)
+        """Install a fake decode batch of bs sequences in the forward context: a decode pass
+        under speculation records verify steps (q_len one-token rows per request)."""
+        ids, positions, md, ctx = runner.build_dummy_decode(bs, self.q_len, verify=not is_prefill)
         ctx.is_prefill = is_prefill
         ctx.is_draft = self.is_draft
         runner.set_context(md, ctx)  # also installs the runner's attention layers
@@ -481,7 +491,8 @@ class GraphRunner:
     ) -> torch.Tensor | None:
         md = fctx.attn_metadata
         ctx = fctx.context
-        max_q = getattr(md, "max_seqlen_q", 1) if md is not None else 1
+        # A verify step's attention rows are one-token rows; its bucket counts the request's.
+        max_q = md.request_q_len if isinstance(md, AttentionMetaData) else 1
         key = request_bucket(ctx.running_bs or ctx.batch_size, max_q)
         if key not in self.req_graph or int(input_ids.shape[0]) != key[0] * (key[1] + 1):
             return None

@@ -83,8 +83,9 @@ class ModelRunner:
 
         # The CUDA-graph engine resolves the mode (NONE without CUDA, with one warning, and
         # under enforce_eager); installed only when graphs will be recorded.
-        # Under speculation a decode (verify) step runs k + 1 rows per request: its buckets are
-        # (running_bs, k), recorded with max_q_len = k + 1 (the guide's capture loop).
+        # Under speculation a verify step runs k + 1 rows per request, as one-token decode rows
+        # (atom.spec_decode.decoder): its buckets are (running_bs, k), recorded with
+        # max_q_len = k + 1 (the guide's capture loop); its metadata has a sequence per row.
         spec = config.speculative_config
         self.q_len = spec.k + 1 if spec is not None and not is_draft else 1
         graphs = GraphRunner(config, q_len=self.q_len, is_draft=is_draft,
@@ -93,6 +94,7 @@ class ModelRunner:
 
         self.max_num_seqs = max([int(config.max_num_seqs)] + self.capture_sizes)
         self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs * self.q_len)
+        self.max_meta_seqs = self.max_num_seqs * self.q_len  # a verify step: one per row
         self.staging = self._input_staging()
         self.forward_vars = {**self.staging.buffers,
                              "outputs": torch.zeros(self.max_num_rows, self.hf_config.hidden_size,
@@ -103,7 +105,7 @@ class ModelRunner:
     # ---- buffers -------------------------------------------------------------------------
     def _input_staging(self) -> HostStaging:
         """The step's input buffers (forward_vars, less the outputs) and their host mirrors."""
-        rows, seqs = self.max_num_rows, self.max_num_seqs
+        rows, seqs = self.max_num_rows, self.max_meta_seqs
         i64, i32 = torch.long, torch.int32
         return HostStaging({
             "input_ids": (i64, (rows,), 0),
@@ -163,15 +165,16 @@ class ModelRunner:
     # ---- inputs --------------------------------------------------------------------------
     def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
                q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
-               num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None
-               ) -> StepInputs:
+               num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None,
+               verify_rows: int = 1) -> StepInputs:
         """Copy host lists (already padded) into the persistent buffers and wrap them. A token
         id -(j + 1) is a placeholder for pending_tokens[j] (the previous step's sampled ids,
-        on the device), filled in on the device."""
+        on the device), filled in on the device. verify_rows > 1: a verify step's rows, one
+        sequence each, verify_rows per request (running_bs counts requests)."""
         rows, nseq = len(rows_ids), len(ctx_lens)
-        if rows > self.max_num_rows or nseq > self.max_num_seqs:
+        if rows > self.max_num_rows or nseq > self.max_meta_seqs:
             raise ValueError(f"batch of {rows} rows / {nseq} sequences exceeds the runner's buffers "
-                             f"({self.max_num_rows} rows, {self.max_num_seqs} sequences)")
+                             f"({self.max_num_rows} rows, {self.max_meta_seqs} sequences)")
         cu_q, cu_k = [0], [0]
         for q, c in zip(q_lens, ctx_lens, strict=True):
             cu_q.append(cu_q[-1] + q)
@@ -195,15 +198,16 @@ class ModelRunner:
             max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),
             slot_mapping=slot_mapping, context_lens=context_lens, block_tables=bt[:nseq],
             num_seqs=num_seqs, num_rows=num_rows,
-            extra={"decode": not is_prefill},
+            extra={"decode": not is_prefill}, verify_rows=verify_rows,
         )
-        context = Context(positions=positions, is_prefill=is_prefill, batch_size=num_seqs,
-                          running_bs=nseq, running_tokens=rows, is_draft=self.is_draft)
+        context = Context(positions=positions, is_prefill=is_prefill,
+                          batch_size=num_seqs // verify_rows, running_bs=nseq // verify_rows,
+                          running_tokens=rows, is_draft=self.is_draft)
         return input_ids, positions, meta, context
 
     def prepare_inputs(self, batch: StepBatch, pad_to_rows: int | None = None,
-                       pad_to_seqs: int | None = None, pending_tokens: torch.Tensor | None = None
-                       ) -> StepInputs:
+                       pad_to_seqs: int | None = None, pending_tokens: torch.Tensor | None = None,
+                       verify_rows: int = 1) -> StepInputs:
         """Rows for each sequence's scheduled tokens; padding rows have token 0, position 0, slot -1.
 
         Decode (q rows per sequence: 1, or k + 1 in a verify step): padding adds sequences of q
@@ -212,6 +216,8 @@ class ModelRunner:
         token is PENDING_TOKEN takes it from
         `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
         `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
+        verify_rows > 1: a verify step, each sequence one row of a request's verify_rows
+        (atom.spec_decode.decoder); padding then adds whole requests.
         """
         seqs, is_prefill = batch.seqs, batch.is_prefill
         bs = self.block_size
@@ -252,6 +258,7 @@ class ModelRunner:
         else:
             q = max(q_lens, default=1)
             nseq = max(num_seqs, pad_to_seqs or 0, _cdiv(pad_to_rows or 0, q))
+            nseq = _cdiv(nseq, verify_rows) * verify_rows
             rows = max(num_rows, nseq * q)
             q_pad = [q] * (nseq - num_seqs)
         pad = rows - num_rows
@@ -259,10 +266,21 @@ class ModelRunner:
             raise ValueError(f"{pending} rows wait for sampled tokens, none given")
         return self._build(ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, q_lens + q_pad,
                            ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
-                           num_rows, pending_tokens if pending else None)
+                           num_rows, pending_tokens if pending else None, verify_rows)
 
-    def build_dummy_decode(self, num_seqs: int, q_len: int = 1) -> StepInputs:
-        """A fake decode batch for capture and warm-up: every sequence lives in the reserved block."""
+    def build_dummy_decode(self, num_seqs: int, q_len: int = 1, verify: bool = False
+                           ) -> StepInputs:
+        """A fake decode batch for capture and warm-up: every sequence lives in the reserved block.
+        verify: q_len one-token rows per sequence (a verify step's layout), not q_len-row ones."""
+        if verify and q_len > 1:
+            if self.dummy_block < 0:
+                raise RuntimeError("allocate_kv_cache() first: dummy batches write into its "
+                                   "reserved block")
+            base = self.dummy_block * self.block_size
+            pos = list(range(q_len)) * num_seqs
+            return self._build([0] * len(pos), pos, [base + p for p in pos], [1] * len(pos),
+                               [p + 1 for p in pos], [[self.dummy_block]] * len(pos), False,
+                               len(pos), len(pos), verify_rows=q_len)
         return self._build_dummy(num_seqs, q_len, is_prefill=False)
 
     def _build_dummy(self, num_seqs: int, q_len: int, is_prefill: bool) -> StepInputs:
@@ -336,18 +354,27 @@ class ModelRunner:
             return len(idx)
         return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
 
+    def prepare_step(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
+                     spec: SpecDecodeMetadata | None = None) -> StepInputs:
+        """The step's inputs padded to the graph bucket that runs it (execute_model's; a drafter
+        runs several passes on one preparation: atom.spec_decode.draft_model)."""
+        # A verify step's sequences are its requests' rows (SpecDecodeMetadata.rows_per_request).
+        verify_rows = spec.rows_per_request if spec is not None and not batch.is_prefill else 1
+        pad_rows = pad_seqs = None
+        if self.graph_runner is not None:
+            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill,
+                                                             verify_rows)
+        return self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens, verify_rows)
+
     @torch.inference_mode()
     def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
                       spec: SpecDecodeMetadata | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run one scheduled step; returns logits [n, vocab] (the model's dtype) and the
         indices in batch.seqs of the n sequences to sample. pending_tokens: the previous
         step's sampled ids on the device, for rows whose token the host has not read yet
-        (prepare_inputs). spec: a verify step's drafts (ForwardContext.spec_decode_metadata);
-        its logits are every row's (batch.logits_all)."""
-        pad_rows = pad_seqs = None
-        if self.graph_runner is not None:
-            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill)
-        input_ids, _, meta, context = self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens)
+        (prepare_inputs). spec: a verify step's drafts (ForwardContext.spec_decode_metadata),
+        batch.seqs then its requests' rows, rows_per_request each, one token a row."""
+        input_ids, _, meta, context = self.prepare_step(batch, pending_tokens, spec)
         indices = self.logits_rows(self._logits_indices(batch))
         with self.step_context(meta, context, spec):
             logits, _ = self.run_model(input_ids, indices)
@@ -373,7 +400,7 @@ class ModelRunner:
             backbone = self.model.model
             hidden = backbone.forward(self.forward_vars["input_ids"][:rows],
                                       self.forward_vars["positions"][:rows])
-            self.model.compute_logits(hidden[: self.max_num_seqs])
+            self.model.compute_logits(hidden[: self.max_num_seqs * self.q_len])
 
     def warmup_model(self) -> float:
         """Trigger compilation (levels 2-3) on a prefill-sized and a decode-sized batch; >= 2 rows

@@ -48,8 +48,8 @@ def _sync_counters(device: torch.device) -> torch.Tensor:
 def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, ctx_ptr,
                           bt_ptr, slot_ptr, part_o_ptr, part_ml_ptr, count_ptr, pos_ptr,
                           cos_ptr, sin_ptr, scale, stride_q, stride_k, stride_v, stride_o,
-                          stride_bt, w_ptr, b_ptr, res_ptr, y_ptr, sync_ptr, n_attn, N, K,
-                          stride_w,
+                          stride_bt, w_ptr, b_ptr, res_ptr, y_ptr, sync_ptr, n_attn, M, N, K,
+                          stride_w, stride_r, stride_y,
                           NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_H: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -57,7 +57,8 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
                           COMBINE_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
                           ROPE: tl.constexpr, STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                          LINE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
     """Tickets [0, n_attn): the decode work items (row, kv head, split), split slowest (the
     first tickets are the splits that hold keys even for short contexts); the tickets after
     them: the projection strips. sync_ptr: tickets; + LINE: (row, kv head) outputs done;
@@ -77,8 +78,8 @@ def _decode_o_proj_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr
     else:
         # Every (row, kv head) output is counted once, by whichever program writes it.
         row_strip(ticket - n_attn, out_ptr, w_ptr, w_ptr, b_ptr, res_ptr, y_ptr, done_ptr, pairs,
-                   1, N, K, 0.0, 0, stride_w, 0, 0, False, HAS_BIAS, HAS_RES, 1, BLOCK_N, BLOCK_K,
-                   PRELOAD, PDL, True)
+                   M, N, K, 0.0, stride_o, stride_w, stride_r, stride_y, False, HAS_BIAS, HAS_RES,
+                   BLOCK_M, BLOCK_N, BLOCK_K, PRELOAD, PDL, True)
         n_proj = tl.num_programs(0) - n_attn
         finished = tl.atomic_add(sync_ptr + 2 * LINE, 1, sem="acq_rel", scope="gpu")
         if finished == n_proj - 1:
@@ -98,9 +99,12 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     """decode_attention_triton for one sequence's row into out, then
     proj_out = out o_weight^T (+ o_bias) (+ residual), in one graph-recordable launch.
     overlap: as for decode_attention_triton (the projection programs read only o_weight before
-    the wait)."""
+    the wait). A verify step's rows of one request (atom.utils.forward_context.launch_rows) run
+    here too: the projection applies its strip to each row in turn, as to the one row."""
     rows = q.shape[0]
-    assert rows == tuning.FUSED_O_PROJ_ROWS, f"{rows} rows: the fused o_proj launch takes {tuning.FUSED_O_PROJ_ROWS}"
+    assert rows == tuning.FUSED_O_PROJ_ROWS or rows <= tuning.GEMV_MAX_ROWS, (
+        f"{rows} rows: the fused o_proj launch takes {tuning.FUSED_O_PROJ_ROWS} "
+        f"(a verify step's rows: at most {tuning.GEMV_MAX_ROWS})")
     n, k = o_weight.shape
     assert out.shape[1] == k and proj_out.shape == (rows, n)
     assert o_weight.stride(-1) == 1 and proj_out.stride(-1) == 1
@@ -113,6 +117,8 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     res = residual if residual is not None else proj_out
     _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
-        _sync_counters(q.device), n_attn, n, k, o_weight.stride(0), **launch.constants,
-        HAS_BIAS=o_bias is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=_LINE, PRELOAD=tuning.FUSED_O_PROJ_PRELOAD, num_warps=tuning.FUSED_O_PROJ_WARPS)
+        _sync_counters(q.device), n_attn, rows, n, k, o_weight.stride(0), res.stride(0),
+        proj_out.stride(0), **launch.constants, HAS_BIAS=o_bias is not None,
+        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, LINE=_LINE,
+        PRELOAD=tuning.FUSED_O_PROJ_PRELOAD, num_warps=tuning.FUSED_O_PROJ_WARPS,
+        BLOCK_M=triton.next_power_of_2(rows))

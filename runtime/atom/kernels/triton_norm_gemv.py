@@ -164,10 +164,18 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
     only after that wait measured slower.)
 
     STRIP: the weight rows a program takes (at most BLOCK_N; the tile's rows past it are
-    masked, and masked rows are not read)."""
+    masked, and masked rows are not read). Grid axis 1: blocks of BLOCK_M rows x, each
+    computed as a launch of those rows alone would (a verify step's rows: gemv's plan_rows)."""
     if RELEASE:
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    # This program's block of rows: moved into the base pointers (scalars), so the tile's
+    # row offsets stay the constant 0 .. BLOCK_M - 1 of a one-block launch.
+    row0 = tl.program_id(1) * BLOCK_M
+    x_ptr += row0 * stride_x
+    res_ptr += row0 * stride_r
+    y_ptr += row0 * stride_y
+    M -= row0
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * STRIP + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -403,12 +411,15 @@ def tiled_plan(m: int, n: int, k: int, gated: bool, elem: int, overlap: bool, sm
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         overlap: bool = False) -> torch.Tensor:
+         overlap: bool = False, plan_rows: int | None = None) -> torch.Tensor:
     """[residual +] [SiLU-gated] projection of [RMSNorm'd] x, for x.shape[0] <= tuning.GEMV_MAX_ROWS;
     written into out when given. overlap: the launch may start before the previous kernel on
     the stream ends and read the parameters meanwhile (tuning.ROW_GEMV_MAX_ROWS): allowed only when
-    that kernel writes none of them (a model's forward)."""
+    that kernel writes none of them (a model's forward). plan_rows (<= GEMV_MAX_ROWS, default
+    x's rows): the launch is chosen for that many rows and every row of x computed as in it,
+    in blocks of BLOCK_M rows (a verify step: atom.utils.forward_context.launch_rows)."""
     m, k = x.shape
+    plan_m = m if plan_rows is None else plan_rows
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (m, n) and y.stride(-1) == 1
@@ -417,19 +428,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert residual is None or residual.stride(-1) == 1
     pdl = programmatic_launch(x.device)
-    if (overlap and pdl and m <= tuning.ROW_GEMV_MAX_ROWS and not gated
-            and row_strip_rows(k, x.element_size(), tuning.ROW_STRIP_BYTES) == 16):
+    # The preloading kernel applies its strip to each row in turn: any m rows as one would.
+    if (overlap and pdl and plan_m <= tuning.ROW_GEMV_MAX_ROWS and m <= tuning.GEMV_MAX_ROWS
+            and not gated and row_strip_rows(k, x.element_size(), tuning.ROW_STRIP_BYTES) == 16):
         return row_gemv(x, weight, bias, y, norm_weight=norm_weight, eps=eps,
                         residual=residual, pdl=True)
     res = residual if residual is not None else y
     sms, smem = sm_resources(x.device) if pdl else (0, 0)
-    plan = tiled_plan(m, n, k, gated, x.element_size(), overlap and pdl, sms, smem)
-    _norm_gemv_kernel[(plan.programs,)](
+    plan = tiled_plan(plan_m, n, k, gated, x.element_size(), overlap and pdl, sms, smem)
+    block_m = max(16, triton.next_power_of_2(plan_m))
+    _norm_gemv_kernel[(plan.programs, triton.cdiv(m, block_m))](
         x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, res, y,
         m, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), y.stride(0), n,
         HAS_NORM=norm_weight is not None, GATED=gated, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        HAS_RES=residual is not None, BLOCK_M=block_m,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT=plan.split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", RELEASE=pdl, WAIT=plan.early,
         PRELOAD=plan.preload, STRIP=plan.strip, launch_pdl=plan.early, num_warps=plan.warps,

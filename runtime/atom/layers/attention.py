@@ -24,7 +24,7 @@ from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_t
 from atom.kernels.rotary import Rope, apply_rotary
 from atom.layers.norm_linear import project
 from atom.layers.rotary import RotaryEmbedding
-from atom.utils.forward_context import AttentionMetaData, get_forward_context
+from atom.utils.forward_context import AttentionMetaData, get_forward_context, launch_rows
 
 
 class Attention(nn.Module):
@@ -92,20 +92,27 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         decode = meta.max_seqlen_q == 1 and meta.extra.get("decode", True)
         # Decode is one launch: rotary, the KV store and the split combine run in the kernel.
         fused_store = decode and tuning.FUSED_DECODE_STORE
-        if not fused_store:
+        verify = _verify_splits(layer, meta) if decode else None
+        if not fused_store or verify is not None:
+            # A verify's rows read the keys of the rows before them (launched alongside): all
+            # are stored first. The decode kernel still folds in its own key from registers,
+            # as in plain decode, and stores it again (the same values).
             tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
+            overlap = overlap and verify is None  # the launch reads what the store wrote
         new_kv = tk.StepKV(k, v, meta.slot_mapping) if fused_store else None
         if (fused_store and proj is not None and tuning.FUSED_DECODE_O_PROJ
-                and q.shape[0] == tuning.FUSED_O_PROJ_ROWS):
+                and launch_rows(q.shape[0]) == tuning.FUSED_O_PROJ_ROWS
+                and q.shape[0] <= tuning.GEMV_MAX_ROWS):
             fused.decode_attention_o_proj_triton(
                 q, layer.k_cache, layer.v_cache, output, meta.context_lens, meta.block_tables,
                 layer.scale, layer.num_heads, proj.weight, proj.bias, proj.residual, proj.out,
-                rope=rope, new_kv=new_kv, overlap=overlap)
+                num_splits=verify, rope=rope, new_kv=new_kv, overlap=overlap)
             return True
         if decode:
             tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
-                                       meta.block_tables, layer.scale, layer.num_heads, rope=rope,
-                                       new_kv=new_kv, overlap=overlap and fused_store)
+                                       meta.block_tables, layer.scale, layer.num_heads,
+                                       num_splits=verify, rope=rope, new_kv=new_kv,
+                                       overlap=overlap and fused_store)
             return False
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
@@ -120,6 +127,18 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     paged_attention_torch(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                           meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
     return False
+
+
+def _verify_splits(layer: Attention, meta: AttentionMetaData) -> int | None:
+    """A verify step laid out as decode rows: the splits its requests' plain decode rows get
+    (the split count sets the order each row's keys are summed in); None otherwise."""
+    if meta.verify_rows <= 1:
+        return None
+    from atom.kernels import triton_attention as tk
+
+    tiles = -(-meta.block_tables.shape[1] * layer.k_cache.shape[1] // tuning.DECODE_TILE_N)
+    rows = launch_rows(meta.slot_mapping.shape[0])
+    return tk.decode_num_splits(rows, layer.num_kv_heads, tiles)
 
 
 def _launch_fixed_by_bucket() -> bool:

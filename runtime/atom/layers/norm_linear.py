@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from atom.compilation.custom_ops import direct_register_custom_op
 from atom.kernels import tuning
 from atom.layers.rmsnorm import rms_norm
+from atom.utils.forward_context import launch_rows
 
 
 def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -44,8 +45,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if x.is_cuda:
         from atom.kernels import triton_norm_gemv as kernels
 
-        if x.shape[0] <= tuning.GEMV_MAX_ROWS:
-            return kernels.gemv(x, weight, bias, out=out, overlap=overlap, **fused)
+        # A verify step's rows launch as its requests' decode rows would (launch_rows).
+        plan = launch_rows(x.shape[0])
+        if plan <= tuning.GEMV_MAX_ROWS:
+            return kernels.gemv(x, weight, bias, out=out, overlap=overlap, plan_rows=plan,
+                                **fused)
         return kernels.rows_path(x, weight, bias, out=out, **fused)
     result = reference_projection(x, weight, bias, **fused)
     return result if out is None else out.copy_(result)

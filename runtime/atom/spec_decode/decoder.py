@@ -1,6 +1,34 @@
 """One speculative step of the engine: draft k tokens per request, verify them in one target
 forward of k + 1 rows per request, accept, and roll back the rejected tokens' KV.
 
+The verify forward is a decode step. Request r's k + 1 rows (its last token and its k
+drafts, at positions base .. base + k) are k + 1 one-token decode rows: row i has context
+length base + i + 1 and the request's block table, so a verify of bs requests is a pure decode
+StepBatch of bs * (k + 1) rows, run by the decode kernels and replaying the decode graphs of
+that padded size. Within each layer every row's key and value are stored before any row
+attends (atom.layers.attention: the store kernel, then the decode kernel, in stream order in
+a graph too), so row i sees the drafts before it.
+
+The decode kernels are not batch-invariant by themselves: they pick their launch by the row
+count, and a row's sums run in a different order in each (one row: the preloading qkv kernel
+and the fused attention + o_proj, a one-pass fp32 tree per row; 2-16 rows: the tiled GEMV, on
+the tensor cores BLOCK_K at a time; above 16: cuBLAS; the decode attention splits each row's
+keys over fewer programs as rows grow). So every kernel of a verify step launches for its bs
+requests, not its bs * (k + 1) rows (atom.utils.forward_context.launch_rows: the GEMV plan,
+applied to the rows in blocks of 16; the one-row kernels at bs = 1; the split count): each row
+then computes what a plain decode step of the bs requests computes, bit for bit while that
+step runs the GEMV kernels (running_bs <= tuning.GEMV_MAX_ROWS; tests/runtime/
+test_spec_decode_gpu.py checks it on CUDA). Greedy verification reproduces decoding without
+speculation, and a self-draft accepts every token in bf16 as in fp32 on the CPU.
+
+Graph buckets keep the guide's key: request_bucket(running_bs, max_seqlen_q) ==
+(running_bs, draft_num), where running_bs counts requests (Context.running_bs; running_tokens
+counts the bs * (k + 1) rows) and max_seqlen_q is a request's query rows, k + 1
+(AttentionMetaData.request_q_len: the attention metadata itself has one row per sequence,
+max_seqlen_q 1, and verify_rows = k + 1). The (bs, k) recording is the decode forward of
+bs * (k + 1) one-token rows, recorded with that layout (FULL: a ReqGraph per bucket;
+TR_HYBRID: the token graph of bs * (k + 1) rows, its attention inline as in any decode bucket).
+
 Speculative steps run synchronously: a step's accepted tokens are read on the host before the
 next step is prepared (the drafts of the next step depend on them, and how many tokens a
 request gained is known only then). The engine therefore schedules without the one-step lag
@@ -59,6 +87,17 @@ class SpecStats:
                 (self.accepted + self.seq_steps) / self.seq_steps if self.seq_steps else 0.0
             ),
         }
+
+
+def verify_batch(seqs: list[Sequence], drafts: list[list[int]]) -> StepBatch:
+    """The verify forward's decode rows: request r's token at position base + i (its last token,
+    then its drafts), context base + i + 1, its block table; every row gives logits."""
+    rows = []
+    for s, d in zip(seqs, drafts, strict=True):
+        base = s.num_tokens - 1
+        for i, tok in enumerate([s.token_ids[-1], *d]):
+            rows.append(SeqRows(s.request_id, [tok], base + i, s.block_table, None, True))
+    return StepBatch(rows, is_prefill=False)
 
 
 class SpecDecoder:
@@ -122,22 +161,13 @@ class SpecDecoder:
         is then rolled back (lengths and block tables)."""
         k = self.k
         drafts = self.drafter.propose_batch(seqs)
-        rows = [
-            SeqRows(
-                s.request_id, [s.token_ids[-1], *d], s.num_tokens - 1, s.block_table, None, True
-            )
-            for s, d in zip(seqs, drafts, strict=True)
-        ]
-        device = self.runner.device
         meta = SpecDecodeMetadata(
-            draft_token_ids=torch.tensor(drafts, dtype=torch.long).to(device, non_blocking=True),
+            draft_token_ids=torch.tensor(drafts, dtype=torch.long),  # host: nothing reads it there
             num_draft_tokens=[k] * len(seqs),
             # Every row: the k + 1 rows of each request, in order (no gather).
-            logits_indices=torch.arange(len(seqs) * (k + 1), device=device),
+            logits_indices=torch.arange(len(seqs) * (k + 1), device=self.runner.device),
         )
-        logits, _ = self.runner.execute_model(
-            StepBatch(rows, is_prefill=False, logits_all=True), spec=meta
-        )
+        logits, _ = self.runner.execute_model(verify_batch(seqs, drafts), spec=meta)
         gens = [self._generator(s) for s in seqs]
         verdicts = verify(logits, drafts, [s.params for s in seqs], gens, self.generator)
         self.stats.steps += 1

@@ -4,8 +4,16 @@ The draft model has its own ModelRunner and KV cache, with as many blocks as the
 addressed through the same block tables: position p of a sequence lives in the same slot of
 both caches, so the scheduler's allocation, the rollback of rejected tokens and preemption
 free the draft's blocks too. `Sequence.num_draft_computed` counts the sequence's tokens whose
-keys/values the draft cache holds; a pass first catches up on the rest (prefill passes,
-eager), then runs k decode passes of one row per sequence (recorded as DraftGraphs).
+keys/values the draft cache holds; a pass first catches up on the rest, then runs k decode
+passes of one row per sequence (recorded as DraftGraphs, replayed in either graph mode).
+
+Catching up: after a step that accepted all k drafts the cache lacks only the last draft's
+keys (no pass ran on it), which one decode pass of one row per such sequence fills (a
+DraftGraph replay); longer gaps (a new or preempted sequence: its prompt) run as prefill
+chunks. The k passes share one preparation: pass j + 1's inputs are pass j's, one position
+on, rewritten on the device (token ids from pass j's argmax, positions, context lengths,
+slots from the block table), so the host neither stages nor waits between passes and reads
+the k drafts once.
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
+from atom.engine.batch import SeqRows, StepBatch
 from atom.engine.sampler import _argmax
 from atom.models.registry import ModelConfig, load_model_config
+from atom.utils.forward_context import AttentionMetaData
 
 if TYPE_CHECKING:
     from atom.config import Config
@@ -53,7 +62,20 @@ class DraftModelDrafter:
         self.max_rows = int(runner.config.max_num_batched_tokens)
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Fill the draft cache up to each sequence's last token (excluded), in chunks."""
+        """Fill the draft cache up to each sequence's last token (excluded): one decode row
+        per sequence one token behind, prefill chunks for longer gaps."""
+        behind = [s for s in seqs if s.num_draft_computed == s.num_tokens - 2]
+        if behind:
+            # samples=False: the pass is for the keys, its logits are not computed.
+            rows = [
+                SeqRows(
+                    s.request_id, [s.token_ids[-2]], s.num_tokens - 2, s.block_table, None, False
+                )
+                for s in behind
+            ]
+            self.runner.execute_model(StepBatch(rows, is_prefill=False))
+            for s in behind:
+                s.num_draft_computed += 1
         todo = [s for s in seqs if s.num_draft_computed < s.num_tokens - 1]
         while todo:
             budget, rows = self.max_rows, []
@@ -81,32 +103,51 @@ class DraftModelDrafter:
                 seq.num_draft_computed += r.num_scheduled_tokens
             todo = [s for s in todo if s.num_draft_computed < s.num_tokens - 1]
 
+    @torch.inference_mode()
     def propose_batch(self, seqs: list[Sequence]) -> list[list[int]]:
         """k greedy draft tokens per sequence; the draft cache then holds num_tokens + k - 1.
-
-        Passes after the first read their token on the device (PENDING_TOKEN from the previous
-        pass's argmax, as an asynchronous decode step does): the host waits once, for all k."""
+        The host waits once, for all k (module docstring: one preparation, k passes)."""
         self._catch_up(seqs)
-        n = len(seqs)
-        prev: torch.Tensor | None = None
+        runner, n = self.runner, len(seqs)
+        rows = [
+            SeqRows(s.request_id, [s.token_ids[-1]], s.num_tokens - 1, s.block_table, None, True)
+            for s in seqs
+        ]
+        ids, positions, meta, ctx = runner.prepare_step(StepBatch(rows, is_prefill=False))
         drafted: list[torch.Tensor] = []
-        for j in range(self.k):
-            rows = [
-                SeqRows(
-                    s.request_id, [s.token_ids[-1]], s.num_tokens - 1, s.block_table, None, True
-                )
-                if prev is None
-                else SeqRows(
-                    s.request_id, [PENDING_TOKEN], s.num_tokens - 1 + j, s.block_table, i, True
-                )
-                for i, s in enumerate(seqs)
-            ]
-            logits, _ = self.runner.execute_model(StepBatch(rows, is_prefill=False), prev)
-            prev = _argmax(logits[:n])
-            drafted.append(prev)
+        with runner.step_context(meta, ctx):
+            for j in range(self.k):
+                if j:
+                    advance_decode_rows(
+                        ids[:n], positions[:n], meta, drafted[-1], runner.block_size
+                    )
+                logits, _ = runner.run_model(ids, n)
+                drafted.append(_argmax(logits[:n]))
         for s in seqs:
             s.num_draft_computed = s.num_tokens + self.k - 1
         return torch.stack(drafted, dim=1).tolist()
+
+
+def advance_decode_rows(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetaData,
+    tokens: torch.Tensor,
+    block_size: int,
+) -> None:
+    """A prepared decode step's first len(tokens) rows (one per sequence) moved one position
+    on, in place on the device: each row's token is tokens[i], and its position, context
+    length and slot follow (the block table already covers the new position); padding rows
+    keep context 0 and slot -1."""
+    n = tokens.shape[0]
+    ids.copy_(tokens)
+    positions.add_(1)
+    meta.context_lens[:n].add_(1)
+    cu = meta.cu_seqlens_k  # entry i sums the first i contexts: min(i, n) of them grew
+    cu.add_(torch.arange(cu.shape[0], device=cu.device, dtype=cu.dtype).clamp_(max=n))
+    blocks = meta.block_tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    meta.slot_mapping[:n] = blocks.to(torch.long) * block_size + positions % block_size
+    meta.max_seqlen_k += 1
 
 
 def draft_kv_share(target_block_bytes: int, draft_block_bytes: int, num_blocks: int) -> int:

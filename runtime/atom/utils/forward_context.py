@@ -33,6 +33,15 @@ class AttentionMetaData:
     num_seqs: int = 0  # real (unpadded) sequences in the step
     num_rows: int = 0  # real (unpadded) query rows in the step
     extra: dict[str, Any] = field(default_factory=dict)
+    # A speculative verify step laid out as decode rows (atom.spec_decode.decoder): each
+    # request's k + 1 query rows are k + 1 one-token "sequences" r*q .. r*q + q - 1 sharing its
+    # block table, their keys stored before any attends. 1: every other step.
+    verify_rows: int = 1
+
+    @property
+    def request_q_len(self) -> int:
+        """Query rows per request: the request bucket's max_seqlen_q (a verify's k + 1)."""
+        return self.verify_rows if self.verify_rows > 1 else self.max_seqlen_q
 
 
 @dataclass
@@ -62,6 +71,15 @@ class SpecDecodeMetadata:
     num_draft_tokens: list[int] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None
 
+    @property
+    def rows_per_request(self) -> int:
+        """Query rows of each verified request: its k drafts and the token before them (every
+        request of a step verifies the same k: the graph buckets are (running_bs, k))."""
+        ks = set(self.num_draft_tokens)
+        if len(ks) > 1:
+            raise ValueError(f"a verify step's requests draft one k each, got {sorted(ks)}")
+        return 1 + (ks.pop() if ks else 0)
+
 
 class TokenGraphPass(enum.StrEnum):
     """ForwardContext.tr_graph: what a @token_graph unit's call does (None: runs as before).
@@ -89,6 +107,16 @@ _forward_context: ForwardContext = ForwardContext()
 
 def get_forward_context() -> ForwardContext:
     return _forward_context
+
+
+def launch_rows(rows: int) -> int:
+    """The rows a decode kernel of `rows` rows picks its launch for: in a verify step laid out
+    as decode rows, the requests' (rows / verify_rows), so each row runs the kernels and
+    reduction order its request would in a plain decode step of that many rows (greedy
+    verification then reproduces decoding bit for bit); otherwise rows."""
+    md = _forward_context.attn_metadata
+    q = md.verify_rows if isinstance(md, AttentionMetaData) else 1
+    return -(-rows // q) if q > 1 else rows
 
 
 def set_forward_context(
