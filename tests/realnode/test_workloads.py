@@ -1,8 +1,9 @@
 """AtomDeployments whose runtime pods really run (CPU, tiny model) on the real node.
 
-The tests run in file order and share one unified AtomDeployment: cold start (the startup
-probe holds the pod un-Ready through compile), rollout under load, warm start from the
-compile cache on the PVC, P/D against it, and finally its deletion (the claim stays).
+The tests run in file order and share one unified AtomDeployment (the CPU example at level 3
+with Inductor): cold start (the startup probe holds the pod un-Ready through compile), warm
+start from the compile cache on the PVC, rollout under load, P/D against it, and finally its
+deletion (the claim stays).
 """
 
 from __future__ import annotations
