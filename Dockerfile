@@ -9,7 +9,8 @@
 # nvcc). Override RUNTIME_BASE to pick another CUDA build of the same torch version
 # (for example pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime for older drivers).
 # Triton ships inside the torch wheel and compiles its kernels with its bundled ptxas, so
-# the runtime image needs no compiler toolchain.
+# the runtime image needs no compiler toolchain. (A CPU runtime does: Inductor compiles C++
+# there. hack/images gives its RUNTIME_BASE g++ and Python's headers.)
 ARG RUNTIME_BASE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 ARG PYTHON_BASE=python:3.11-slim
 ARG UID=10001

@@ -3,8 +3,9 @@
 - `localhost/atom-python-base`: Debian (mmdebstrap, minbase) with python3, pip and venv: the
   Dockerfile's PYTHON_BASE.
 - `localhost/atom-cpu-base`: that base plus the venv's torch and its dependency closure copied
-  in: the Dockerfile's RUNTIME_BASE for a CPU runtime (no CUDA base can be pulled here; GPU
-  images keep building from the CUDA bases elsewhere).
+  in (no CUDA base can be pulled here; GPU images keep building from the CUDA bases elsewhere).
+- `localhost/atom-cpu-cc-base`: that plus Debian's C++ compiler and Python headers, one layer
+  on top (Inductor compiles C++ on the CPU): the Dockerfile's RUNTIME_BASE for a CPU runtime.
 - `localhost/atom-operator:<hash>` and `localhost/atom-runtime:cpu-<hash>`: the Dockerfile's
   `operator` and `runtime` targets, exported as OCI image layouts into the cache.
 
@@ -44,6 +45,10 @@ BASE_PACKAGES = (
     "ca-certificates",
     "passwd",
 )
+# Inductor on the CPU (levels 2-3, use_inductor) builds its kernels with a C++ compiler against
+# Python.h: without them a CPU pod cannot run Inductor, so its compile cache gives nothing.
+# Only the CPU runtime base gets them (the CUDA images compile with Triton's bundled ptxas).
+CPU_COMPILER_PACKAGES = ("g++", "python3-dev")
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 REF_NAME = "org.opencontainers.image.ref.name"
 SITE = "/usr/local/lib/python3.11/dist-packages"
@@ -283,6 +288,31 @@ def cpu_base(b: Buildah, python: str) -> str:
     return ref
 
 
+def cpu_compiler_base(b: Buildah, cpu: str) -> str:
+    """The CPU base plus CPU_COMPILER_PACKAGES from Debian, a layer above torch's (whose 2.8 GiB
+    layer stays as it was: the export and the node's import reuse it)."""
+    ref = f"localhost/atom-cpu-cc-base:{_digest([cpu.encode(), *map(str.encode, CPU_COMPILER_PACKAGES)])}"
+    if b.exists(ref):
+        return ref
+    ctr = b("from", "--pull=false", cpu, what="buildah from the CPU base", capture=True).strip()
+    script = (
+        "set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -q; "
+        f"apt-get install -y -q --no-install-recommends {' '.join(CPU_COMPILER_PACKAGES)}; "
+        "rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb; "
+        # what Inductor's C++ builder uses: g++ with OpenMP, and sysconfig's include dir
+        "echo 'int main() { return 0; }' | g++ -fopenmp -x c++ -o /tmp/cc-check - && /tmp/cc-check; "
+        'rm -f /tmp/cc-check; python3 -c "import os, sysconfig; '
+        "assert os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))\""
+    )
+    try:
+        b("run", "--runtime", "/usr/sbin/runc", "--network", "host", ctr, "--", "sh", "-c",
+          script, what=f"apt-get install {' '.join(CPU_COMPILER_PACKAGES)} (CPU base)")  # fmt: skip
+        b("commit", "--quiet", ctr, ref, what=f"commit of {ref}")
+    finally:
+        b("rm", ctr, what="buildah rm")
+    return ref
+
+
 def _bud(b: Buildah, target: str, ref: str, build_args: dict[str, str]) -> None:
     if b.exists(ref):
         return
@@ -321,7 +351,7 @@ def build(targets: Iterable[str] = ("operator", "runtime")) -> dict[str, Image]:
             ref = f"localhost/atom-operator:{_digest([ctx.encode(), python.encode()])}"
             _bud(b, "operator", ref, {"PYTHON_BASE": python})
         elif target == "runtime":
-            base = cpu_base(b, python)
+            base = cpu_compiler_base(b, cpu_base(b, python))
             ref = f"localhost/atom-runtime:cpu-{_digest([ctx.encode(), base.encode()])}"
             _bud(b, "runtime", ref,
                  {"PYTHON_BASE": python, "RUNTIME_BASE": base, "SOURCE_HASH": ctx})  # fmt: skip

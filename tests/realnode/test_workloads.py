@@ -1,8 +1,9 @@
 """AtomDeployments whose runtime pods really run (CPU, tiny model) on the real node.
 
-The tests run in file order and share one unified AtomDeployment: cold start (the startup
-probe holds the pod un-Ready through compile), rollout under load, warm start from the
-compile cache on the PVC, P/D against it, and finally its deletion (the claim stays).
+The tests run in file order and share one unified AtomDeployment (the CPU example at level 3
+with Inductor): cold start (the startup probe holds the pod un-Ready through compile), warm
+start from the compile cache on the PVC, rollout under load, P/D against it, and finally its
+deletion (the claim stays).
 """
 
 from __future__ import annotations
@@ -15,44 +16,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from realnode_helpers import NAMESPACE, ROOT, http_json, wait_for
+from realnode_helpers import (
+    EXAMPLE,
+    NAMESPACE,
+    apply,
+    atomd,
+    http_json,
+    pod_ready,
+    runtime_pods,
+    status_of,
+    wait_for,
+)
 
 from atom_devtools.demo import Kubectl, is_ready
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "atomdeployment-cpu.yaml").read_text())
 NAME = EXAMPLE["metadata"]["name"]
 MODEL = EXAMPLE["spec"]["model"]["name"]
 PROMPT = "The capital of France is"
 READY_TIMEOUT = 600
 TIMES: dict[str, float] = {}
-
-
-def apply(kubectl: Kubectl, manifest: dict[str, Any]) -> None:
-    kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(manifest))
-
-
-def atomd(kubectl: Kubectl, name: str = NAME) -> dict[str, Any]:
-    return kubectl.json("atomd", name, "-n", NAMESPACE)
-
-
-def runtime_pods(kubectl: Kubectl, name: str = NAME, role: str = "unified") -> list[dict]:
-    selector = f"app.kubernetes.io/instance={name},atom.dev/role={role}"
-    pods = kubectl.json("pods", "-n", NAMESPACE, "-l", selector)["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in pod["status"].get("conditions", []))  # fmt: skip
-
-
-def status_of(pod: dict[str, Any]) -> dict[str, Any]:
-    code, body = http_json(f"http://{pod['status']['podIP']}:8000/status")
-    assert code == 200, body
-    return body
 
 
 def service_url(kubectl: Kubectl, name: str = NAME) -> str:
@@ -75,6 +59,9 @@ def greedy(url: str, max_tokens: int = 8) -> list[str]:
 def unified(operator_release: str, kubectl: Kubectl) -> dict[str, Any]:
     manifest = copy.deepcopy(EXAMPLE)
     manifest["metadata"]["namespace"] = NAMESPACE
+    # Inductor (the CPU image has g++ and Python's headers): its compiled pieces are what the
+    # claim keeps for the warm start (without Inductor there is nothing to keep).
+    manifest["spec"]["compilation"]["useInductor"] = True
     return manifest
 
 
@@ -86,34 +73,37 @@ def test_startup_probe_holds_the_pod_until_compile_is_done(
     seen_unready_503 = []
 
     def progress() -> bool:
-        pods = runtime_pods(kubectl)
+        pods = runtime_pods(kubectl, NAME)
         if not pods or not pods[0]["status"].get("podIP"):
             return False
         pod = pods[0]
         code, body = http_json(f"http://{pod['status']['podIP']}:8000/health", timeout=2)
-        if code == 503 and not pod_ready(pod) and not is_ready(atomd(kubectl)):
+        if code == 503 and not pod_ready(pod) and not is_ready(atomd(kubectl, NAME)):
             seen_unready_503.append(body)
-        return pod_ready(pod) and is_ready(atomd(kubectl))
+        return pod_ready(pod) and is_ready(atomd(kubectl, NAME))
 
     wait_for("the unified pod and atomd to be Ready", progress, READY_TIMEOUT, every=0.5)
     TIMES["cold_ready_s"] = time.monotonic() - applied
     # /health said 503 while the pod ran un-Ready: the startup probe gated it through compile
     assert seen_unready_503, "never saw the pod running but un-Ready with /health 503"
-    status = status_of(runtime_pods(kubectl)[0])
+    status = status_of(runtime_pods(kubectl, NAME)[0])
     assert status["device"] == "cpu" and status["level"] == 3 and status["mode"] == "NONE"
     TIMES["cold_compile_s"] = status["warmup"]["compile_seconds"]
     TIMES["cold_warmup_s"] = status["warmup"]["warmup_seconds"]
+    cold = status["warmup"]["counters"]
+    # Inductor really ran in the pod (a C++ compiler is there) and left its pieces on the claim
+    assert cold.get("pieces_compiled", 0) > 0 and cold.get("artifacts_saved", 0) > 0, cold
     assert greedy(service_url(kubectl))
     print(f"\ncold start: {TIMES}")
 
 
 def test_deleted_pod_comes_back_warm_from_the_pvc_cache(kubectl: Kubectl) -> None:
-    old = runtime_pods(kubectl)[0]
+    old = runtime_pods(kubectl, NAME)[0]
     cold = status_of(old)
     start = time.monotonic()
     kubectl("delete", "pod", "-n", NAMESPACE, old["metadata"]["name"], "--wait=false")
     pod = wait_for("a new Ready pod", lambda: next(
-        (p for p in runtime_pods(kubectl)
+        (p for p in runtime_pods(kubectl, NAME)
          if p["metadata"]["uid"] != old["metadata"]["uid"] and pod_ready(p)), None),
         READY_TIMEOUT)  # fmt: skip
     TIMES["warm_ready_s"] = time.monotonic() - start
@@ -122,16 +112,11 @@ def test_deleted_pod_comes_back_warm_from_the_pvc_cache(kubectl: Kubectl) -> Non
     TIMES["warm_warmup_s"] = warm["warmup"]["warmup_seconds"]
     print(f"\ncold vs warm start: {TIMES}")
     assert warm["cache_key"] == cold["cache_key"]  # the same directory on the same claim
-    if warm["counters"].get("dynamo_traces_loaded", 0) == 0 and not warm["counters"].get(
-        "cache_hits"
-    ):
-        # Measured: `atom-runtime warmup` twice on one cache dir on the host gives the same
-        # counters (cache_misses 3, no trace loaded) at level 3 with use_inductor false.
-        pytest.xfail(
-            "no warm start on CPU without Inductor: the runtime saves no Dynamo trace or "
-            f"artifact then (warm counters {warm['counters']}); a CPU image with a C++ "
-            "toolchain (Inductor) is needed for a real warm start"
-        )
+    cold_counters, warm_counters = cold["warmup"]["counters"], warm["warmup"]["counters"]
+    # every piece the cold pod compiled comes from the claim; nothing is compiled again
+    assert warm_counters.get("cache_hits") == cold_counters["cache_misses"], warm_counters
+    assert warm_counters.get("artifacts_loaded") == cold_counters["artifacts_saved"], warm_counters
+    assert not warm_counters.get("cache_misses") and not warm_counters.get("pieces_compiled")
     assert warm["warmup"]["compile_seconds"] < cold["warmup"]["compile_seconds"]
 
 
@@ -154,13 +139,13 @@ def test_level_change_rolls_out_while_a_client_keeps_sending(kubectl: Kubectl) -
     thread.start()
     try:
         wait_for("requests flowing", lambda: done[0] >= 3, 60)
-        before = atomd(kubectl)["status"]["revision"]
+        before = atomd(kubectl, NAME)["status"]["revision"]
         kubectl("patch", "atomd", NAME, "-n", NAMESPACE, "--type=merge",
                 "-p", json.dumps({"spec": {"compilation": {"level": 1}}}))  # fmt: skip
 
         def rolled() -> bool:
-            obj = atomd(kubectl)
-            pods = runtime_pods(kubectl)
+            obj = atomd(kubectl, NAME)
+            pods = runtime_pods(kubectl, NAME)
             return (is_ready(obj) and obj["status"]["revision"] != before and len(pods) == 1
                     and pod_ready(pods[0]) and status_of(pods[0])["level"] == 1)  # fmt: skip
 
@@ -248,14 +233,14 @@ def test_bad_model_path_turns_the_atomdeployment_degraded(kubectl: Kubectl) -> N
 def test_deleting_the_atomdeployment_keeps_the_claim_and_its_files(
     real_cluster: Any, kubectl: Kubectl
 ) -> None:
-    claim = atomd(kubectl)["status"]["compileCache"]["claimName"]
+    claim = atomd(kubectl, NAME)["status"]["compileCache"]["claimName"]
     pvc = kubectl.json("pvc", claim, "-n", NAMESPACE)
     pv = kubectl.json("pv", pvc["spec"]["volumeName"])
     directory = Path(pv["spec"]["hostPath"]["path"])
     files_before = sorted(p for p in directory.rglob("*") if p.is_file())
     assert files_before, f"the compile cache {directory} is empty"
     kubectl("delete", "atomd", NAME, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
-    wait_for("the runtime pods to go", lambda: not runtime_pods(kubectl), 180)
+    wait_for("the runtime pods to go", lambda: not runtime_pods(kubectl, NAME), 180)
     assert kubectl.json("pvc", claim, "-n", NAMESPACE)["status"]["phase"] == "Bound"
     assert sorted(p for p in directory.rglob("*") if p.is_file()) == files_before
     print(f"\nstart times (s): {TIMES}")
