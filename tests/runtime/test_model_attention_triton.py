@@ -31,7 +31,34 @@ CASES = {
     # Two query rows per sequence (a drafter's bucket): the KV-store kernel writes both rows'
     # keys before the decode kernel reads them, however the caller hands them over.
     "decode-q2-store-rope-split3-gqa2-d16": ("decode3", 4, 2, 16),
+    # Split-KV prefill (atom.kernels.triton_prefill_split): chunks of 1, 16 and 64 rows over
+    # contexts of 16 to 4096 tokens in one batch, each row block's keys split N ways ("auto":
+    # the count the launcher picks from the step's longest context).
+    "split3-gqa4-d32": ("split3", 8, 2, 32),
+    "split8-gqa3-d16": ("split8", 6, 2, 16),
+    "split64-mha-d16": ("split64", 2, 2, 16),
+    "split5-gqa8-d24": ("split5", 8, 1, 24),
+    "split8-rope-gqa4-d32": ("split8", 8, 2, 32),
+    "splitauto-gqa4-d64": ("splitauto", 8, 2, 64),
+    # Random layouts (seeded by the case): 1, 16 or 64 rows over contexts of 16..4096.
+    "split-random1-gqa4-d16": ("splitrandom", 8, 2, 16),
+    "split-random2-rope-gqa2-d32": ("splitrandom", 4, 2, 32),
 }
+# Sequences of a split case: (query rows, context) each, a whole 16-token prompt among them.
+SPLIT_LAYOUT = [(16, 4096), (1, 2049), (64, 1000), (16, 16), (64, 64), (1, 37)]
+
+
+def _split_layout(name: str) -> list[tuple[int, int]]:
+    if "random" not in name:
+        return SPLIT_LAYOUT
+    import random
+
+    rng = random.Random(name)
+    layout = []
+    for _ in range(rng.randint(3, 6)):
+        q = rng.choice([1, 16, 64])
+        layout.append((q, rng.randint(max(q, 16), 4096)))
+    return layout
 
 
 def _numpy2_scalar_fix() -> None:
@@ -55,6 +82,32 @@ def _check_cache(kc, vc, kc_ref, vc_ref, rope) -> None:
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
 
 
+def _run_split(b, kind: str, heads: int, kv_heads: int, kc, vc, out, rope) -> None:
+    """The split-KV prefill through prefill_attention_triton, as the attention op calls it."""
+    import atom.kernels.triton_attention as tk
+    import atom.kernels.triton_prefill_split as split_kv
+
+    max_k = int(b.context_lens.max())
+    splits = {"splitauto": None, "splitrandom": 7}.get(kind) if kind[5:].isalpha() else int(kind[5:])
+    if splits is None:  # the launcher's own choice for this step takes the split kernel
+        chosen = split_kv.prefill_num_splits(b.num_seqs + 1, b.max_seqlen_q, max_k, heads,
+                                             kv_heads, b.k_cache.shape[3], b.q.dtype)
+        assert chosen > 1, chosen
+    calls = []
+    real = split_kv.prefill_split_attention_triton
+
+    def spy(*args, **kwargs):
+        calls.append(args[11])
+        return real(*args, **kwargs)
+
+    split_kv.prefill_split_attention_triton = spy
+    out[b.num_rows:] = 0
+    tk.prefill_attention_triton(b.q, kc, vc, out, b.cu_seqlens_q, b.context_lens, b.block_tables,
+                                0.25, heads, b.num_seqs + 1, b.max_seqlen_q, rope=rope,
+                                max_seqlen_k=max_k, num_splits=splits)
+    assert len(calls) == 1 and calls[0] > 1, calls
+
+
 def _run_case(name: str) -> None:
     import torch
 
@@ -66,6 +119,12 @@ def _run_case(name: str) -> None:
         # A whole prompt, a chunk continuing a cached context, a single row, padding rows/seqs.
         b = random_paged_batch(q_lens=[19, 5, 1, 33], ctx_lens=[19, 40, 7, 33], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, pad_rows=3, pad_seqs=1, seed=heads)
+    elif kind.startswith("split"):
+        layout = _split_layout(name)
+        b = random_paged_batch(q_lens=[q for q, _ in layout], ctx_lens=[c for _, c in layout],
+                               num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, pad_rows=3,
+                               pad_seqs=1, num_blocks=sum(c // 16 + 1 for _, c in layout),
+                               seed=dim)
     elif "-q2-" in name:
         b = random_paged_batch(q_lens=[2, 2, 2], ctx_lens=[2, 70, 250], num_heads=heads,
                                num_kv_heads=kv_heads, head_dim=dim, max_blocks=16, seed=dim)
@@ -84,7 +143,8 @@ def _run_case(name: str) -> None:
         for i in range(b.num_seqs):
             q_len = cu[i + 1] - cu[i]
             positions[cu[i]:cu[i + 1]] = torch.arange(ctx[i] - q_len, ctx[i])
-    ref, kc_ref, vc_ref, rope = paged_reference(b, heads, 0.25, positions)
+    ref, kc_ref, vc_ref, rope = paged_reference(b, heads, 0.25, positions,
+                                                max_positions=int(b.context_lens.max()))
 
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     fused_store = "store" in name
@@ -97,6 +157,8 @@ def _run_case(name: str) -> None:
         tk.prefill_attention_triton(b.q, kc, vc, out, b.cu_seqlens_q, b.context_lens, b.block_tables,
                                     0.25, heads, b.num_seqs + 1, b.max_seqlen_q, block_m=16,
                                     rope=rope)
+    elif kind.startswith("split"):
+        _run_split(b, kind, heads, kv_heads, kc, vc, out, rope)
     else:
         splits = int(kind[6:] or 1)
         new_kv = tk.StepKV(b.k, b.v, b.slot_mapping) if fused_store else None
@@ -120,8 +182,13 @@ def test_triton_kernel_in_interpreter(name: str) -> None:
 
 
 def _aot_cases():
-    """(kernel name, signature, constexprs) covering bf16/fp32, split/unsplit decode, and the
-    decode kernel with and without its own KV store."""
+    """(kernel name, signature, constexprs) covering bf16/fp32, split/unsplit decode, the
+    decode kernel with and without its own KV store, and the split-KV prefill's two kernels."""
+    import torch
+
+    import atom.kernels.triton_prefill_split as split_kv
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}
     cases = []
     for dt in ("bf16", "fp32"):
         cache = {n: f"*{dt}" for n in ("k_cache_ptr", "v_cache_ptr")}
@@ -142,6 +209,23 @@ def _aot_cases():
                       {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": 64,
                        "BLOCK_SIZE": 16, "PRECISION": "ieee" if dt == "fp32" else None,
                        "ROPE": use_rope}))
+        split_consts = {"NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_P2": 4, "HEAD_DIM": 64,
+                        "BLOCK_D": 64, "BLOCK_Q": 16, "TILE_N": 64, "NUM_SPLITS": 16}
+        cases.append(("_prefill_split_kernel",
+                      {"q_ptr": f"*{dt}", **cache, "out_ptr": f"*{dt}", "part_o_ptr": "*fp32",
+                       "part_ml_ptr": "*fp32", "cu_q_ptr": "*i32", "ctx_ptr": "*i32",
+                       "bt_ptr": "*i32", **rope, "scale": "fp32", "stride_q": "i32",
+                       "stride_o": "i32", "stride_bt": "i32", "num_mblocks": "i32",
+                       **dict.fromkeys(split_consts, "constexpr"), "BLOCK_SIZE": "constexpr",
+                       "PRECISION": "constexpr", "ROPE": "constexpr"},
+                      {**split_consts, "BLOCK_Q": split_kv.block_q(16, 4, 64, torch_dtype[dt]),
+                       "BLOCK_SIZE": 16,
+                       "PRECISION": "ieee" if dt == "fp32" else None, "ROPE": use_rope}))
+        cases.append(("_prefill_combine_kernel",
+                      {"out_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                       "cu_q_ptr": "*i32", "ctx_ptr": "*i32", "stride_o": "i32",
+                       **dict.fromkeys(split_consts, "constexpr"), "CHUNK": "constexpr"},
+                      {**split_consts, "CHUNK": 8}))
         for splits, store in ((1, False), (8, True), (8, False)):
             cases.append(("_decode_kernel",
                           {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", **cache,
@@ -168,10 +252,25 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     and lowering errors that the interpreter does not see, and shared memory an SM lacks."""
     pytest.importorskip("triton")
     import atom.kernels.triton_attention as tk
+    import atom.kernels.triton_prefill_split as split_kv
     from atom.kernels.testing import compile_for_hopper
 
     for name, sig, consts in _aot_cases():
-        compile_for_hopper(getattr(tk, name), sig, consts)
+        compile_for_hopper(getattr(tk if hasattr(tk, name) else split_kv, name), sig, consts)
+
+
+def test_split_prefill_kernel_keeps_its_registers() -> None:
+    """The split-KV prefill kernel's row blocks fit sm_90's registers in bf16 and fp32 (the
+    exact fp32 dot, no tensor cores, takes a quarter of the rows: at 64 it spilled 14 KB)."""
+    pytest.importorskip("triton")
+    import atom.kernels.triton_prefill_split as split_kv
+    from atom.kernels.testing import compile_for_hopper, hopper_registers
+
+    for name, sig, consts in _aot_cases():
+        if name == "_prefill_split_kernel":
+            regs, spilled = hopper_registers(compile_for_hopper(split_kv._prefill_split_kernel,
+                                                                sig, consts))
+            assert spilled == 0 and regs <= 168, (consts, regs, spilled)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,17 @@ raw body before anything costs time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    Tag,
     ValidationError,
 )
 
@@ -80,8 +82,32 @@ class _Common(BaseModel):
     user: StrictStr | None = None
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which of the prompt's forms a value is meant as (by its type and its first item), so
+    only that form is validated: a plain union tries every form and, for a list of 4,096 ids,
+    first records 4,096 errors against list[str] (0.9 ms of a request's validation)."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return "texts" if value and isinstance(value[0], str) else "token_ids"
+    return None  # pydantic: the discriminator's custom error
+
+
+Prompt = Annotated[
+    Annotated[StrictStr, Tag("text")]
+    | Annotated[list[StrictStr], Tag("texts")]
+    | Annotated[list[StrictInt], Tag("token_ids")],
+    Discriminator(
+        _prompt_form,
+        custom_error_type="prompt_type",
+        custom_error_message="Input should be a string, a list of strings or a list of token "
+        "ids (integers)",
+    ),
+]
+
+
 class CompletionBody(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    prompt: Prompt
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None

@@ -150,7 +150,8 @@ def paged_reference(b: PagedBatch, num_heads: int, scale: float,
     q, k, rope = b.q, b.k, None
     if positions is not None:
         dim = b.k_cache.shape[3]
-        cos, sin = rope_tables(dim, max_positions=max_positions, theta=10000.0)
+        cos, sin = (t.to(b.q.device) for t in rope_tables(dim, max_positions=max_positions,
+                                                          theta=10000.0))
         rope = Rope(positions, cos, sin)
         q = apply_rotary(q, positions, rope.cos, rope.sin, dim)
         k = apply_rotary(k, positions, rope.cos, rope.sin, dim)

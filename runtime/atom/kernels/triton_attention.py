@@ -5,7 +5,9 @@ grids depend only on the (padded) row count and head counts; each program reads 
 sequence's context length and block table on the device and loops over that many blocks.
 Padding rows (slot -1) store nothing; padded sequences (context length 0) write zeros.
 The prefill kernel sizes its grid from max_seqlen_q (host) and is never graph-recorded
-(prefill runs eagerly, or as an eager region between token-graph segments).
+(prefill runs eagerly, or as an eager region between token-graph segments); so is the split-KV
+prefill of a few rows over a long context (atom.kernels.triton_prefill_split), which also
+reads the step's longest context from the host.
 """
 
 from __future__ import annotations
@@ -88,6 +90,31 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 @triton.jit
+def _seq_rows(cu_q_ptr, ctx_ptr, seq):
+    """(first query row, query rows, context length) of a prefill step's sequence seq."""
+    q_start = tl.load(cu_q_ptr + seq)
+    return q_start, tl.load(cu_q_ptr + seq + 1) - q_start, tl.load(ctx_ptr + seq)
+
+
+@triton.jit
+def _load_q_rows(q_ptr, rows, head_off, stride_q, r_mask, pos_ptr, cos_ptr, sin_ptr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
+    """Query rows [R, BLOCK_D] of prefill (rows: int64 [R]; head_off: the head's offset in a
+    row, one for all or [R, 1]), rotated to their positions with ROPE; masked rows are 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_row = q_ptr + rows[:, None] * stride_q + head_off
+    q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
+    if ROPE:
+        partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask,
+                          other=0.0)
+        pos = tl.load(pos_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+        q = _rope(q, partner, pos[:, None], offs_d[None, :], cos_ptr, sin_ptr, q_mask,
+                  HEAD_DIM // 2)
+    return q
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
                     pos_ptr, cos_ptr, sin_ptr, scale, stride_q, stride_o, stride_bt,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -96,9 +123,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
     seq = tl.program_id(0)
     head = tl.program_id(1)
     mblk = tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    ctx = tl.load(ctx_ptr + seq)
+    q_start, q_len, ctx = _seq_rows(cu_q_ptr, ctx_ptr, seq)
     if mblk * BLOCK_M < q_len:
         kv_head = head // GROUP
         offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,15 +132,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q_mask = m_mask[:, None] & d_mask[None, :]
-        q_row = q_ptr + rows[:, None] * stride_q + head * HEAD_DIM
-        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
-        if ROPE:
-            partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask,
-                              other=0.0)
-            pos = tl.load(pos_ptr + rows, mask=m_mask, other=0).to(tl.int64)
-            q = _rope(q, partner, pos[:, None], offs_d[None, :], cos_ptr, sin_ptr, q_mask,
-                      HEAD_DIM // 2)
+        q = _load_q_rows(q_ptr, rows, head * HEAD_DIM, stride_q, m_mask, pos_ptr, cos_ptr,
+                         sin_ptr, HEAD_DIM, BLOCK_D, ROPE)
         q_pos = ctx - q_len + offs_m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -195,10 +213,11 @@ def _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bt
 
 
 @triton.jit
-def _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step of q's heads over a key tile: the new (max, sum, output)."""
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One online-softmax step of q's rows over a key tile, keys masked where valid
+    (broadcast to [rows, keys]) is false: the new (max, sum, output)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    s = tl.where(t_mask[None, :], s, float("-inf"))
+    s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
@@ -305,12 +324,14 @@ def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend_tile(q, k0, v0, t0_mask, m_i, l_i, acc, scale, PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k0, v0, t0_mask[None, :], m_i, l_i, acc, scale,
+                                     PRECISION)
         for t in range(t_start + TILE_N, t_end, TILE_N):
             k, v, t_mask = _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr,
                                     stride_bt, kv_row, d_mask, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                                     TILE_N)
-            m_i, l_i, acc = _attend_tile(q, k, v, t_mask, m_i, l_i, acc, scale, PRECISION)
+            m_i, l_i, acc = _attend_tile(q, k, v, t_mask[None, :], m_i, l_i, acc, scale,
+                                         PRECISION)
         if STORE:
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
@@ -402,9 +423,25 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              out: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                              block_tables: torch.Tensor, scale: float, num_heads: int,
                              num_seqs: int, max_seqlen_q: int, block_m: int = 64,
-                             rope: Rope | None = None) -> None:
+                             rope: Rope | None = None, max_seqlen_k: int = 0,
+                             num_splits: int | None = None) -> None:
+    """Causal attention of each sequence's query rows (the last positions of its context) over
+    its cached keys, this step's included. A chunk of few rows over a long context
+    (max_seqlen_k: the step's longest, from the host) takes the split-KV kernel
+    (atom.kernels.triton_prefill_split); num_splits forces its split count (1: this kernel)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_seqs == 0 or max_seqlen_q == 0:
+        return
+    # Imported here: that module builds on this one's kernel helpers.
+    from atom.kernels import triton_prefill_split as split_kv
+
+    if num_splits is None:
+        num_splits = split_kv.prefill_num_splits(num_seqs, max_seqlen_q, max_seqlen_k,
+                                                 num_heads, num_kv_heads, head_dim, q.dtype)
+    if num_splits > 1:
+        split_kv.prefill_split_attention_triton(q, k_cache, v_cache, out, cu_seqlens_q,
+                                                context_lens, block_tables, scale, num_heads,
+                                                num_seqs, max_seqlen_q, num_splits, rope)
         return
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous()
     block_m = max(16, min(block_m, triton.next_power_of_2(max_seqlen_q)))

@@ -118,7 +118,8 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
         tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
                                     meta.context_lens, meta.block_tables, layer.scale,
-                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q, rope=rope)
+                                    layer.num_heads, meta.num_seqs, meta.max_seqlen_q, rope=rope,
+                                    max_seqlen_k=meta.max_seqlen_k)
         return False
     if rope is not None:
         q = apply_rotary(q, rope.positions, rope.cos, rope.sin, layer.head_dim)

@@ -10,6 +10,11 @@ downstream can use is refused too: nesting deeper than `MAX_DEPTH`, lone UTF-16 
 (`"\\ud800"`: not encodable as UTF-8, so the tokenizer or the response would fail), integers of
 more than 4,300 digits. Large bodies are parsed on a worker thread so the event loop keeps
 answering /health meanwhile.
+
+JSON is decoded by msgspec where it can (a 4,096-token prompt of ids: 2.5x faster than
+json.loads); whatever it refuses (NaN, a byte-order mark, 1e400, lone surrogates, UTF-16, more
+than 4,300 digits, malformed JSON) goes to json.loads, whose value and errors are the ones
+answered, so the fast path accepts nothing json.loads would not and decodes it the same.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -28,7 +34,10 @@ from aiohttp.web_protocol import RequestPayloadError
 RUNNER_KWARGS: dict[str, Any] = {"auto_decompress": False}
 MAX_DEPTH = 32  # OpenAI bodies nest 5 deep at most (messages[i].content[j].image_url.url)
 OFF_LOOP_BYTES = 256 * 1024  # bodies above this are parsed on a worker thread
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A surrogate escape, or a surrogate's UTF-8 form in the bytes (json.loads decodes bytes with
+# "surrogatepass", so that becomes a lone surrogate as well).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+_DECODER = msgspec.json.Decoder()
 
 
 @dataclass
@@ -76,7 +85,7 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
 def loads_object(raw: bytes) -> dict[str, Any]:
     """A JSON object from `raw`, checked as the module says; BodyError otherwise."""
     try:
-        body = json.loads(raw)
+        body = _decode(raw)
     except UnicodeDecodeError as exc:
         raise BodyError(f"request body is not UTF-8: {exc.reason}") from None
     except RecursionError:
@@ -85,8 +94,21 @@ def loads_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
-    _check_tree(body, check_strings=_SURROGATE.search(raw) is not None)
+    check_strings = _SURROGATE.search(raw) is not None
+    # Every container of the body opens with a `[` or `{` byte (more of them may sit in
+    # strings), so with no more than MAX_DEPTH of those bytes nothing nests too deep and, without
+    # a surrogate escape, there is nothing to walk: a 4,096-token prompt is one list of ints.
+    if check_strings or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        _check_tree(body, check_strings)
     return body
+
+
+def _decode(raw: bytes) -> Any:
+    """msgspec's value, or json.loads' (value or error) for anything msgspec refuses."""
+    try:
+        return _DECODER.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return json.loads(raw)
 
 
 async def parse_object(raw: bytes) -> dict[str, Any]:
@@ -97,25 +119,24 @@ async def parse_object(raw: bytes) -> dict[str, Any]:
 
 
 def _check_tree(body: dict[str, Any], check_strings: bool) -> None:
-    """Depth bound, and (only when the raw bytes hold a surrogate escape) strings that are not
-    valid Unicode. Iterative: a deep body must not overflow our own stack either."""
+    """Depth bound, and (only when the raw bytes hold a surrogate) strings that are not valid
+    Unicode. Iterative: a deep body must not overflow our own stack either."""
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
             raise BodyError(f"request body nests deeper than {MAX_DEPTH} levels")
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, value in items:
-            if check_strings:
-                for s in (key, value):
-                    if isinstance(s, str) and not _encodable(s):
-                        raise BodyError(
-                            "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                            "which is not a character",
-                            "invalid_unicode",
-                        )
-            if isinstance(value, (dict, list)):
-                stack.append((value, depth + 1))
+        values = node.values() if isinstance(node, dict) else node
+        if check_strings:
+            keys = node.keys() if isinstance(node, dict) else ()
+            for s in (*keys, *values):
+                if isinstance(s, str) and not _encodable(s):
+                    raise BodyError(
+                        "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                        "which is not a character",
+                        "invalid_unicode",
+                    )
+        stack.extend((v, depth + 1) for v in values if type(v) is dict or type(v) is list)
 
 
 def _encodable(s: str) -> bool:
