@@ -22,6 +22,9 @@ def test_waves_cover_every_logits_row_count_and_block_m() -> None:
     assert any(w.join_after_steps for w in ws)  # a mixed step
     assert any(not w.params.greedy for w in ws) and any(w.params.logprobs for w in ws)
     assert max(max(w.prompt_lens) for w in waves(256, 20)) == 20  # clamped to the model
+    # Repeats over long cached contexts (the split-KV prefill), only where the model allows.
+    assert {512, 514, 518, 2048, 2054} <= longest
+    assert max(max(w.prompt_lens) for w in waves(256, 1000)) == 518
 
 
 def test_warm_up_runs_real_steps_and_leaves_no_trace() -> None:

@@ -11,8 +11,8 @@ offline runs never saw it because their warm-up batches had already compiled the
 
 So the engine runs a few tiny synthetic requests through its own scheduler and runner at start:
 every sampled-row count of a prefill step up to GEMV_MAX_ROWS + 1 and 2 * GEMV_MAX_ROWS, queries
-of each BLOCK_M, a mixed step, a cached prefix, sampled and greedy rows, with and without
-logprobs. Compiled kernels land in Triton's cache (the compile-cache volume), so a warm start
+of each BLOCK_M, a mixed step, cached prefixes (short chunks over 512-2,048 cached tokens: the
+split-KV prefill), sampled and greedy rows, with and without logprobs. Compiled kernels land in Triton's cache (the compile-cache volume), so a warm start
 only loads them. The prefix cache and its counters are reset afterwards: the synthetic prompts
 must not look like hits to real traffic.
 """
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MAX_STEPS = 2000
+SPLIT_CONTEXTS = (512, 1024, 2048)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=True)
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=2, ignore_eos=True)
 
@@ -65,6 +66,13 @@ def waves(max_num_seqs: int, max_len: int) -> Iterator[Wave]:
     yield Wave((cap(8),), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     yield Wave((cap(40), cap(8)), GREEDY, join_after_steps=1)  # mixed: decodes + prefills
     yield Wave((cap(40),))  # the same prompt again: a prefill over a cached prefix
+    # Short chunks over long cached contexts: the split-KV prefill's splits (8, 16, 32 for one
+    # sequence) and row blocks (16, 2 and 6 rows: BLOCK_Q 16, 4, 8).
+    for length in SPLIT_CONTEXTS:
+        if length + 8 <= max_len:
+            yield Wave((length,))
+            for extra in (0, 2, 6):
+                yield Wave((length + extra,))
     yield Wave((cap(8),) * min(2, max_num_seqs), SAMPLED)
 
 
