@@ -1,0 +1,300 @@
+"""The engine core's host work per decode step, on the CPU, with the model's forward stubbed
+(issue 26: at 256 streams the served loop is bound by host Python, not by the GPU).
+
+One decode step of the core's busy loop is timed whole: `LLMEngine.step()` (scheduling,
+`StepBatch.of`, `ModelRunner.prepare_inputs` into the host staging mirrors, the forward's
+dispatch, `Sampler.sample`, prefix-cache bookkeeping, the read of the step launched before
+and its outputs) and `EngineCore._route` (ReqOut per request, msgspec encoding of the
+StepOutputs; the socket is a sink), plus the loop's `has_unfinished_requests` calls.
+N sequences (1, 64, 256) run greedy with logprobs and ignore_eos, as bench/serve_bench.py's
+streams do; prompts of 120..135 tokens, so about one sequence in 16 fills a KV block each
+step (served streams arrive at different times), and outputs long enough that none finishes
+while timed.
+
+What is as on the H200: the tiny-llama model object is built, then its forward is replaced
+by a stub returning preallocated hidden states and logits ([rows, vocab], the model's
+dtype). A `GraphRunner` in TR_HYBRID mode with the default token buckets plans and pads
+each step exactly as on CUDA (`pad_sizes`/`plan`); its replay returns the stub's hidden
+states (the graph-replay path of `run_model`, with no eager fallback). Asynchronous
+scheduling is on (placeholders, pending-token gathers on the staged ids).
+What differs on the CPU: the staging mirrors are the device buffers themselves (no pinned
+copy, no `stage_to_device` Triton launch: its placeholder gather runs as torch ops), the
+sampler's argmax and the sampled-token copies are torch ops, not Triton launches, no CUDA
+event is recorded or waited for, and the recorded graph's own replay (argument copies,
+graph launch) is not run. Those are per-step costs, not per-sequence ones; the vocabulary
+is tiny-llama's 256, so the sampler's CPU arithmetic stays small (on the GPU it is a launch).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=runtime python bench/host_overhead.py [--batches 1 64 256]
+        [--steps 150] [--out host.json]
+        [--compare REV]    # also REV's runtime/ (git archive), in alternate child runs:
+                           # before/after medians from one invocation
+        [--rounds 2]       # with --compare: child runs per side
+        [--cprofile 25]    # print the 25 functions with the most own time (largest batch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_LENS = range(120, 136)
+WARM_STEPS = 8
+
+
+class Sink:
+    """An API server's output socket: takes the encoded bytes, keeps their count."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def send(self, data: bytes) -> None:
+        self.bytes += len(data)
+
+
+def stub_forward(engine: Any) -> None:
+    """The runner's model answers from preallocated buffers; a TR_HYBRID GraphRunner plans."""
+    import torch
+
+    from atom.config import CUDAGraphMode, default_capture_sizes
+    from atom.cudagraph.runner import GraphRunner
+
+    runner = engine.runner
+    rows, cfg = runner.max_num_rows, runner.hf_config
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.zeros(rows, cfg.hidden_size, dtype=runner.dtype)
+    logits = torch.randn(rows, cfg.vocab_size, generator=gen).to(runner.dtype)
+
+    class StubModel(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return hidden[: input_ids.shape[0]]
+
+        def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+            return logits[: h.shape[0]]
+
+    buckets = [s for s in default_capture_sizes(512) if s <= runner.max_num_seqs]
+
+    class ReplayStub(GraphRunner):
+        def token_sizes(self, phase: str) -> list[int]:
+            return buckets
+
+        def maybe_replay(self, host: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+            n = int(input_ids.shape[0])
+            return hidden[:n] if n in buckets else None
+
+    runner.model = StubModel()
+    runner.graph_runner = ReplayStub(
+        engine.config, recorder_factory=lambda: None, mode=CUDAGraphMode.TR_HYBRID
+    )
+
+
+def build(num_seqs: int, steps: int) -> tuple[Any, Any]:
+    from atom.config import Config
+    from atom.engine import LLMEngine
+    from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
+    from atom.entrypoints.core.messages import encoder
+
+    max_len = max(PROMPT_LENS) + WARM_STEPS + steps + 32
+    blocks = num_seqs * (max_len // 16 + 2) + 16
+    engine = LLMEngine(
+        Config(
+            model="tiny-llama",
+            load_format="dummy",
+            dtype="bfloat16",
+            device="cpu",
+            max_model_len=max_len,
+            num_kv_blocks=blocks,
+            max_num_seqs=256,
+            seed=0,
+        )
+    )
+    stub_forward(engine)
+    core = EngineCore(
+        build=lambda: engine, endpoints=CoreEndpoints("inproc://in", ["inproc://o"]), context=None
+    )
+    core.engine = engine
+    core._outs = [Sink()]
+    core._enc = encoder()
+    return engine, core
+
+
+def add_requests(engine: Any, core: Any, num_seqs: int) -> None:
+    from atom.engine import SamplingParams
+
+    rng = random.Random(num_seqs)
+    vocab = engine.hf_config.vocab_size
+    for i in range(num_seqs):
+        rid = f"r{i}"
+        n = PROMPT_LENS[i % len(PROMPT_LENS)]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=engine.config.max_model_len, ignore_eos=True, logprobs=True
+        )
+        core._owner[rid] = 0
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n)], params)
+
+
+def turn(engine: Any, core: Any) -> None:
+    """One busy turn of EngineCore._loop, less the socket polls."""
+    engine.has_unfinished_requests()
+    if engine.has_unfinished_requests():
+        outs = engine.step()
+        core.steps += 1
+        if outs:
+            core._route(outs)
+    engine.has_unfinished_requests()
+
+
+def measure(num_seqs: int, steps: int, profile_top: int = 0) -> dict[str, Any]:
+    engine, core = build(num_seqs, steps)
+    add_requests(engine, core, num_seqs)
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        turn(engine, core)  # prefill (and mixed) steps
+    for _ in range(WARM_STEPS):
+        turn(engine, core)
+    gc.collect()
+    gc.freeze()  # as EngineCore does after warm-up
+    prof = cProfile.Profile() if profile_top else None
+    times = []
+    for _ in range(steps):
+        if prof is not None:
+            prof.enable()
+        t0 = time.perf_counter()
+        turn(engine, core)
+        times.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.disable()
+    gc.unfreeze()
+    running = len(sched.running)
+    if running != num_seqs:
+        raise RuntimeError(f"{running} sequences ran, {num_seqs} wanted (a decode-only window)")
+    med = statistics.median(times) * 1e6
+    out = {
+        "num_seqs": num_seqs,
+        "steps": steps,
+        "median_us_per_step": round(med, 1),
+        "median_us_per_seq": round(med / num_seqs, 2),
+        "p90_us_per_step": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e6, 1),
+        "bytes_sent": core._outs[0].bytes,
+    }
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(profile_top)
+        out["cprofile"] = s.getvalue()
+    return out
+
+
+def run_here(batches: list[int], steps: int, profile_top: int) -> dict[str, Any]:
+    results = {}
+    for n in batches:
+        top = profile_top if n == max(batches) else 0
+        results[str(n)] = measure(n, steps, top)
+    return results
+
+
+def child(runtime: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(runtime), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--steps",
+        str(args.steps),
+        "--batches",
+        *map(str, args.batches),
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"child run failed ({runtime}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Medians of REV's runtime and this tree's, child runs alternating (same machine load)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", args.compare, "runtime"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        sides = {"before": Path(tmp) / "runtime", "after": REPO / "runtime"}
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
+        for _ in range(args.rounds):
+            for name, path in sides.items():
+                runs[name].append(child(path, args))
+    table: dict[str, Any] = {}
+    for n in map(str, args.batches):
+        row: dict[str, Any] = {}
+        for name in sides:
+            per_step = statistics.median(r[n]["median_us_per_step"] for r in runs[name])
+            row[name] = {
+                "median_us_per_step": round(per_step, 1),
+                "median_us_per_seq": round(per_step / int(n), 2),
+                "rounds": [r[n]["median_us_per_step"] for r in runs[name]],
+            }
+        b, a = row["before"]["median_us_per_step"], row["after"]["median_us_per_step"]
+        row["cut"] = round(1 - a / b, 3)
+        table[n] = row
+    return table
+
+
+def git_rev(rev: str = "HEAD") -> str:
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", rev],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--compare", metavar="REV", help="also time REV's runtime/ (before)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if max(args.batches) > 256:
+        ap.error("at most 256 sequences (the engine's max_num_seqs here)")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    if args.child:
+        print(json.dumps(run_here(args.batches, args.steps, 0)))
+        return
+    report: dict[str, Any] = {"bench": "host_overhead", "commit": git_rev(), "steps": args.steps}
+    if args.compare:
+        report["before_commit"] = git_rev(args.compare)
+        report["compare"] = compare(args)
+    else:
+        report["results"] = run_here(args.batches, args.steps, args.cprofile)
+        for r in report["results"].values():
+            if "cprofile" in r:
+                print(r.pop("cprofile"), file=sys.stderr)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
