@@ -28,7 +28,8 @@ is tiny-llama's 256, so the sampler's CPU arithmetic stays small (on the GPU it 
         [--steps 150] [--out host.json]
         [--compare REV]    # also REV's runtime/ (git archive), in alternate child runs:
                            # before/after medians from one invocation
-        [--rounds 2]       # with --compare: child runs per side
+        [--rounds 5]       # with --compare: child runs per side, alternating (the median
+                           # and the best of their medians: a busy machine only adds time)
         [--cprofile 25]    # print the 25 functions with the most own time (largest batch)
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import hashlib
 import io
 import json
 import os
@@ -56,13 +58,16 @@ WARM_STEPS = 8
 
 
 class Sink:
-    """An API server's output socket: takes the encoded bytes, keeps their count."""
+    """An API server's output socket: keeps the encoded messages (hashed after the timing)."""
 
     def __init__(self) -> None:
-        self.bytes = 0
+        self.sent: list[bytes] = []
 
     def send(self, data: bytes) -> None:
-        self.bytes += len(data)
+        self.sent.append(data)
+
+    def digest(self) -> str:
+        return hashlib.sha256(b"".join(self.sent)).hexdigest()[:16]
 
 
 def stub_forward(engine: Any) -> None:
@@ -113,7 +118,7 @@ def build(num_seqs: int, steps: int) -> tuple[Any, Any]:
         Config(
             model="tiny-llama",
             load_format="dummy",
-            dtype="bfloat16",
+            dtype="float32",
             device="cpu",
             max_model_len=max_len,
             num_kv_blocks=blocks,
@@ -168,33 +173,57 @@ def measure(num_seqs: int, steps: int, profile_top: int = 0) -> dict[str, Any]:
     gc.collect()
     gc.freeze()  # as EngineCore does after warm-up
     prof = cProfile.Profile() if profile_top else None
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         if prof is not None:
             prof.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         turn(engine, core)
+        cpu.append(time.thread_time() - c0)
         times.append(time.perf_counter() - t0)
         if prof is not None:
             prof.disable()
     gc.unfreeze()
+    math_us = sampler_math_us(engine, num_seqs)
     running = len(sched.running)
     if running != num_seqs:
         raise RuntimeError(f"{running} sequences ran, {num_seqs} wanted (a decode-only window)")
-    med = statistics.median(times) * 1e6
+    med, med_cpu = statistics.median(times) * 1e6, statistics.median(cpu) * 1e6
     out = {
         "num_seqs": num_seqs,
         "steps": steps,
         "median_us_per_step": round(med, 1),
         "median_us_per_seq": round(med / num_seqs, 2),
         "p90_us_per_step": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e6, 1),
-        "bytes_sent": core._outs[0].bytes,
+        # the thread's own CPU time: what a busy machine's other processes do not add
+        "median_cpu_us_per_step": round(med_cpu, 1),
+        "median_cpu_us_per_seq": round(med_cpu / num_seqs, 2),
+        "bytes_sent": sum(map(len, core._outs[0].sent)),
+        # every StepOutputs message sent, prefill steps included: equal digests, equal outputs
+        "sent_sha256": core._outs[0].digest(),
+        # of the step: the sampler's arithmetic on the CPU (argmax, log_softmax, gather), which
+        # on the GPU is a few kernel launches
+        "sampler_math_us": math_us,
     }
     if prof is not None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(profile_top)
         out["cprofile"] = s.getvalue()
     return out
+
+
+def sampler_math_us(engine: Any, num_seqs: int) -> float:
+    """Median us of the greedy sampler's torch arithmetic on [num_seqs, vocab] logits."""
+    import torch
+
+    logits = engine.runner.model.compute_logits(torch.empty(num_seqs, 1))
+    times = []
+    for _ in range(50):
+        t0 = time.thread_time()
+        tokens = logits.argmax(dim=-1)
+        logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None])
+        times.append(time.thread_time() - t0)
+    return round(statistics.median(times) * 1e6, 1)
 
 
 def run_here(batches: list[int], steps: int, profile_top: int) -> dict[str, Any]:
@@ -240,14 +269,20 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     for n in map(str, args.batches):
         row: dict[str, Any] = {}
         for name in sides:
-            per_step = statistics.median(r[n]["median_us_per_step"] for r in runs[name])
-            row[name] = {
-                "median_us_per_step": round(per_step, 1),
-                "median_us_per_seq": round(per_step / int(n), 2),
-                "rounds": [r[n]["median_us_per_step"] for r in runs[name]],
-            }
-        b, a = row["before"]["median_us_per_step"], row["after"]["median_us_per_step"]
-        row["cut"] = round(1 - a / b, 3)
+            row[name] = {"rounds": [r[n]["median_us_per_step"] for r in runs[name]]}
+            for key in ("us", "cpu_us"):
+                rounds = [r[n][f"median_{key}_per_step"] for r in runs[name]]
+                row[name][f"median_{key}_per_step"] = round(statistics.median(rounds), 1)
+                row[name][f"median_{key}_per_seq"] = round(statistics.median(rounds) / int(n), 2)
+                # a busy machine only adds time: the best round is the least disturbed one
+                row[name][f"best_{key}_per_step"] = round(min(rounds), 1)
+        for stat in ("median", "best"):
+            for key in ("us", "cpu_us"):
+                b = row["before"][f"{stat}_{key}_per_step"]
+                a = row["after"][f"{stat}_{key}_per_step"]
+                row[f"cut_{stat}_{key}"] = round(1 - a / b, 3)
+        digests = {r[n]["sent_sha256"] for side in runs.values() for r in side}
+        row["same_outputs"] = len(digests) == 1  # every run sent the same bytes
         table[n] = row
     return table
 
@@ -267,7 +302,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--compare", metavar="REV", help="also time REV's runtime/ (before)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -80,6 +80,10 @@ class HostStaging:
         # field -> (leading rows, values a row) written since the last flush
         self._written: dict[str, tuple[int, int]] = {}
         self._pending = False
+        # 2-D field -> the values put_rows last wrote at the front of each row (None: unknown)
+        self._rows_held: dict[str, list[list[int] | None]] = {
+            name: [None] * shape[0] for name, (_, shape, _) in fields.items() if len(shape) == 2
+        }
 
     def begin(self) -> None:
         """Before writing a step's inputs: the last step's copies have read the mirrors."""
@@ -94,7 +98,11 @@ class HostStaging:
         was_rows, was_cols = self._written.get(name, (0, 0))
         self._written[name] = (max(rows, was_rows), max(cols, was_cols))
 
-    def put(self, name: str, values: Sequence[int]) -> torch.Tensor:
+    def host(self, name: str) -> np.ndarray:
+        """The host mirror of field `name` (what a step's puts write into)."""
+        return self._arrays[name]
+
+    def put(self, name: str, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         """values at the front of field `name`; the device slice they will land in."""
         n = len(values)
         if n:
@@ -102,17 +110,25 @@ class HostStaging:
             self._wrote(name, n)
         return self.buffers[name][:n]
 
-    def put_rows(self, name: str, rows: Sequence[Sequence[int]]) -> None:
+    def put_rows(self, name: str, rows: Sequence[list[int]]) -> None:
         """Row i of the 2-D field `name` starts with rows[i]; the rest of each row keeps what
-        it held (no padding to write, however ragged the rows)."""
-        arr = self._arrays[name]
+        it held (no padding to write, however ragged the rows). A row equal to what this field's
+        row held after the last put_rows is not written again (most block tables do not change
+        from one step to the next); it still moves to the device with the written front."""
+        arr, held = self._arrays[name], self._rows_held[name]
+        width = 0
         for i, row in enumerate(rows):
-            if row:
-                arr[i, :len(row)] = row
+            n = len(row)
+            if n > width:
+                width = n
+            if held[i] != row:
+                if n:
+                    arr[i, :n] = row
+                held[i] = list(row)
         if rows:
             # the staging kernel reads each row's front only (a long max_model_len makes
             # block-table rows of thousands of entries, of which a step uses a few)
-            self._wrote(name, len(rows), max(len(row) for row in rows))
+            self._wrote(name, len(rows), width)
 
     def flush(self, gather: tuple[str, torch.Tensor] | None = None) -> None:
         """Move what was written since the last flush to the device (on the current stream).

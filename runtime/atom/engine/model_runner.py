@@ -15,6 +15,7 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 import torch
 
 from atom.compilation.decorators import compile_for_level
@@ -22,7 +23,7 @@ from atom.compilation.prefetch import CompilePrefetch
 from atom.config import CompilationLevel, Config
 from atom.cudagraph.region_graph import ReqGraph
 from atom.cudagraph.runner import GraphRunner
-from atom.engine.batch import PENDING_TOKEN, StepBatch
+from atom.engine.batch import PENDING_TOKEN, StepBatch, StepRows
 from atom.engine.host_staging import HostStaging
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
@@ -161,38 +162,45 @@ class ModelRunner:
         self.dummy_block = num_blocks
 
     # ---- inputs --------------------------------------------------------------------------
-    def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
-               q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
-               num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None
-               ) -> StepInputs:
-        """Copy host lists (already padded) into the persistent buffers and wrap them. A token
-        id -(j + 1) is a placeholder for pending_tokens[j] (the previous step's sampled ids,
-        on the device), filled in on the device."""
-        rows, nseq = len(rows_ids), len(ctx_lens)
+    def _check_size(self, rows: int, nseq: int) -> None:
         if rows > self.max_num_rows or nseq > self.max_num_seqs:
             raise ValueError(f"batch of {rows} rows / {nseq} sequences exceeds the runner's buffers "
                              f"({self.max_num_rows} rows, {self.max_num_seqs} sequences)")
-        cu_q, cu_k = [0], [0]
-        for q, c in zip(q_lens, ctx_lens, strict=True):
-            cu_q.append(cu_q[-1] + q)
-            cu_k.append(cu_k[-1] + c)
+
+    def _build(self, rows_ids: Any, rows_pos: Any, rows_slot: Any, q_lens: Any, ctx_lens: Any,
+               tables: list[list[int]] | None, is_prefill: bool, num_seqs: int, num_rows: int,
+               pending_tokens: torch.Tensor | None = None) -> StepInputs:
+        """Copy host values (lists or numpy arrays, already padded) into the persistent buffers
+        and wrap them. A token id -(j + 1) is a placeholder for pending_tokens[j] (the previous
+        step's sampled ids, on the device), filled in on the device. tables None: the caller
+        put the block tables already (after staging.begin())."""
+        rows, nseq = len(rows_ids), len(ctx_lens)
+        self._check_size(rows, nseq)
         staging = self.staging
-        staging.begin()
+        if tables is not None:
+            staging.begin()
+            # Only the real rows' own blocks are written: kernels never read past a context's
+            # blocks, and padded sequences (context 0) read none.
+            staging.put_rows("block_tables", tables)
+        q_lens = np.asarray(q_lens, dtype=np.int64)
+        ctx_lens = np.asarray(ctx_lens, dtype=np.int64)
+        cu_q = np.zeros(nseq + 1, dtype=np.int64)
+        cu_k = np.zeros(nseq + 1, dtype=np.int64)
+        np.add.accumulate(q_lens, out=cu_q[1:])
+        np.add.accumulate(ctx_lens, out=cu_k[1:])
         input_ids = staging.put("input_ids", rows_ids)
         positions = staging.put("positions", rows_pos)
         slot_mapping = staging.put("slot_mapping", rows_slot)
         context_lens = staging.put("context_lens", ctx_lens)
         cu_seqlens_q = staging.put("cu_seqlens_q", cu_q)
         cu_seqlens_k = staging.put("cu_seqlens_k", cu_k)
-        # Only the real rows' own blocks are written: kernels never read past a context's
-        # blocks, and padded sequences (context 0) read none.
-        staging.put_rows("block_tables", tables)
         staging.flush(gather=("input_ids", pending_tokens) if pending_tokens is not None
                       else None)
         bt = self.forward_vars["block_tables"]
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),
+            max_seqlen_q=int(np.maximum.reduce(q_lens)) if nseq else 0,
+            max_seqlen_k=int(np.maximum.reduce(ctx_lens)) if nseq else 0,
             slot_mapping=slot_mapping, context_lens=context_lens, block_tables=bt[:nseq],
             num_seqs=num_seqs, num_rows=num_rows,
             extra={"decode": not is_prefill},
@@ -212,54 +220,55 @@ class ModelRunner:
         token is PENDING_TOKEN takes it from
         `pending_tokens` (the previous step's sampled ids, on the device) at the sequence's
         `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
+        Per-row values are computed with numpy from the batch's columns (batch.rows).
         """
-        seqs, is_prefill = batch.seqs, batch.is_prefill
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
+        r, is_prefill, bs = batch.rows, batch.is_prefill, self.block_size
+        num_seqs, num_rows = len(r.starts), len(r.token_ids)
+        q = np.array(r.num_tokens, dtype=np.int64)
+        starts = np.array(r.starts, dtype=np.int64)
+        ids = np.array(r.token_ids, dtype=np.int64)
+        one_row = num_rows == num_seqs and r.num_tokens.count(1) == num_seqs
+        if one_row:
+            seq_of_row, pos = np.arange(num_seqs), starts  # one row per sequence (decode)
+        else:
+            seq_of_row = np.repeat(np.arange(num_seqs), q)
+            first = np.add.accumulate(q) - q  # each sequence's first row
+            pos = starts[seq_of_row] + (np.arange(num_rows) - first[seq_of_row])
         pending = 0
-        for seq in seqs:
-            start = seq.start
-            n = len(seq.token_ids)
-            end = start + n
-            ids.extend(seq.token_ids)
-            # Only a sequence's last token can be pending: the host reads a step's tokens
-            # before the step after next is prepared.
-            last_pending = seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN
-            # Any other negative id would be taken for a placeholder: refuse it here.
-            if n and min(ids[len(ids) - n:len(ids) - 1 if last_pending else None],
-                         default=0) < 0:
-                raise ValueError(f"request {seq.request_id!r}: a token of its scheduled range "
-                                 "is still on the device and no sampled row is named for it")
-            if last_pending:
-                ids[-1] = -(seq.pending_src + 1)
-                pending += 1
-            pos.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(n)
-            ctx_lens.append(end)
-            tables.append(table)
-        num_rows, num_seqs = len(ids), len(seqs)
+        if num_rows and min(r.token_ids) < 0:
+            pending = _placeholders(r, ids, q, seq_of_row, one_row)
         if is_prefill:
             rows = max(num_rows, pad_to_rows or 0)
             nseq = max(num_seqs, pad_to_seqs or 0)
-            q_pad = [0] * (nseq - num_seqs)
+            q_pad = 0
         else:
-            q = max(q_lens, default=1)
-            nseq = max(num_seqs, pad_to_seqs or 0, _cdiv(pad_to_rows or 0, q))
-            rows = max(num_rows, nseq * q)
-            q_pad = [q] * (nseq - num_seqs)
-        pad = rows - num_rows
+            q_pad = max(r.num_tokens, default=1)
+            nseq = max(num_seqs, pad_to_seqs or 0, _cdiv(pad_to_rows or 0, q_pad))
+            rows = max(num_rows, nseq * q_pad)
         if pending and pending_tokens is None:
             raise ValueError(f"{pending} rows wait for sampled tokens, none given")
-        return self._build(ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, q_lens + q_pad,
-                           ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
-                           num_rows, pending_tokens if pending else None)
+        self._check_size(rows, nseq)
+        blocks = pos // bs
+        lens = np.fromiter(map(len, r.block_tables), dtype=np.int64, count=num_seqs)
+        short = blocks >= (lens if one_row else lens[seq_of_row])
+        if np.count_nonzero(short):
+            row = int(np.argmax(short))
+            i = int(seq_of_row[row])
+            raise IndexError(f"request {r.request_ids[i]!r}: its block table holds {lens[i]} "
+                             f"blocks, a row has position {int(pos[row])}")
+        self.staging.begin()
+        # Only the real rows' own blocks are written: kernels never read past a context's
+        # blocks, and padded sequences (context 0) read none.
+        self.staging.put_rows("block_tables", r.block_tables)
+        table = self.staging.host("block_tables")  # each row's slot, from its own table
+        slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
+        ctx = starts + q
+        if nseq > num_seqs:
+            q = np.concatenate((q, np.full(nseq - num_seqs, q_pad, dtype=np.int64)))
+            ctx = np.concatenate((ctx, np.zeros(nseq - num_seqs, dtype=np.int64)))
+        return self._build(_padded(ids, rows, 0), _padded(pos, rows, 0), _padded(slots, rows, -1),
+                           q, ctx, None, is_prefill, num_seqs, num_rows,
+                           pending_tokens if pending else None)
 
     def build_dummy_decode(self, num_seqs: int, q_len: int = 1) -> StepInputs:
         """A fake decode batch for capture and warm-up: every sequence lives in the reserved block."""
@@ -320,12 +329,15 @@ class ModelRunner:
     def _logits_indices(batch: StepBatch) -> list[int]:
         """The last row of each sequence whose tokens are all computed after this step (a
         verify step: every row)."""
+        r = batch.rows
         if batch.logits_all:
-            return list(range(batch.num_tokens))
+            return list(range(len(r.token_ids)))
+        if r.num_tokens.count(1) == len(r.num_tokens) and all(r.samples):
+            return list(range(len(r.num_tokens)))  # a decode step: one row per sequence
         idx, row = [], 0
-        for seq in batch.seqs:
-            row += len(seq.token_ids)
-            if seq.samples:
+        for n, samples in zip(r.num_tokens, r.samples, strict=True):
+            row += n
+            if samples:
                 idx.append(row - 1)
         return idx
 
@@ -346,7 +358,12 @@ class ModelRunner:
         its logits are every row's (batch.logits_all)."""
         pad_rows = pad_seqs = None
         if self.graph_runner is not None:
-            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill)
+            # GraphRunner.pad_sizes' plan, from the batch's columns (no object per sequence)
+            r = batch.rows
+            q_len = 1 if batch.is_prefill else max(r.num_tokens, default=1)
+            plan = self.graph_runner.plan(batch.is_prefill, len(r.starts), len(r.token_ids), q_len)
+            if plan.padded:
+                pad_rows, pad_seqs = plan.rows, plan.seqs
         input_ids, _, meta, context = self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens)
         indices = self.logits_rows(self._logits_indices(batch))
         with self.step_context(meta, context, spec):
@@ -393,3 +410,33 @@ class ModelRunner:
         if self.graph_runner is not None:
             return self.graph_runner.capture(self)
         return 0.0, []
+
+
+def _padded(values: np.ndarray, n: int, fill: int) -> np.ndarray:
+    if len(values) >= n:
+        return values
+    return np.concatenate((values, np.full(n - len(values), fill, dtype=values.dtype)))
+
+
+def _placeholders(rows: StepRows, ids: np.ndarray, q: np.ndarray, seq_of_row: np.ndarray,
+                  one_row: bool) -> int:
+    """Stage each sequence's pending last token as -(pending_src + 1) in ids (in place); how
+    many. Only a sequence's last token can be pending (the host reads a step's tokens before
+    the step after next is prepared); any other negative id would be taken for a
+    placeholder, so it is refused."""
+    src = np.array([-1 if p is None else p for p in rows.pending_src], dtype=np.int64)
+    if one_row:  # one row per sequence (decode): row i is sequence i's last
+        last = seqs = ((src >= 0) & (ids == PENDING_TOKEN)).nonzero()[0]
+    else:
+        seqs = ((src >= 0) & (q > 0)).nonzero()[0]
+        last = np.add.accumulate(q)[seqs] - 1
+        hit = ids[last] == PENDING_TOKEN
+        seqs, last = seqs[hit], last[hit]
+    stray = ids < 0
+    if np.count_nonzero(stray) != len(last):
+        stray[last] = False
+        i = int(seq_of_row[int(np.argmax(stray))])
+        raise ValueError(f"request {rows.request_ids[i]!r}: a token of its scheduled range "
+                         "is still on the device and no sampled row is named for it")
+    ids[last] = -(src[seqs] + 1)
+    return len(last)

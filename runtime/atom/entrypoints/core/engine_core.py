@@ -238,7 +238,9 @@ class EngineCore:
         """One StepOutputs per API server that has a request in this step."""
         owner = self._owner
         if len(self._outs) == 1:
-            batch = [self._req_out(o) for o in outs]
+            # No prefill-role reservation to settle: the plain conversion (one call less a row).
+            req_out = self._req_out if self._reserved else _req_out
+            batch = [req_out(o) for o in outs]
             for o in outs:
                 if o.finished:
                     owner.pop(o.request_id, None)
