@@ -80,10 +80,7 @@ class HostStaging:
         # field -> (leading rows, values a row) written since the last flush
         self._written: dict[str, tuple[int, int]] = {}
         self._pending = False
-        # 2-D field -> the values put_rows last wrote at the front of each row (None: unknown)
-        self._rows_held: dict[str, list[list[int] | None]] = {
-            name: [None] * shape[0] for name, (_, shape, _) in fields.items() if len(shape) == 2
-        }
+        self._stores: dict[str, _RowStore] = {}  # 2-D field -> its keyed rows (put_rows)
 
     def begin(self) -> None:
         """Before writing a step's inputs: the last step's copies have read the mirrors."""
@@ -110,21 +107,30 @@ class HostStaging:
             self._wrote(name, n)
         return self.buffers[name][:n]
 
-    def put_rows(self, name: str, rows: Sequence[list[int]]) -> None:
+    def put_rows(self, name: str, rows: Sequence[Sequence[int]],
+                 keys: Sequence[str] | None = None) -> None:
         """Row i of the 2-D field `name` starts with rows[i]; the rest of each row keeps what
-        it held (no padding to write, however ragged the rows). A row equal to what this field's
-        row held after the last put_rows is not written again (most block tables do not change
-        from one step to the next); it still moves to the device with the written front."""
-        arr, held = self._arrays[name], self._rows_held[name]
-        width = 0
-        for i, row in enumerate(rows):
-            n = len(row)
-            if n > width:
-                width = n
-            if held[i] != row:
-                if n:
-                    arr[i, :n] = row
-                held[i] = list(row)
+        it held (no padding to write, however ragged the rows). keys (unique, one a row: the
+        request ids of a step's block tables): each key's row is kept in a store and converted
+        only when it changed since the key's last put, then the rows are gathered at once
+        (most block tables do not change from one step to the next, though a request that
+        ends moves those after it up a row)."""
+        arr = self._arrays[name]
+        slots = None
+        if keys is not None:
+            store = self._stores.get(name)
+            if store is None:
+                store = self._stores[name] = _RowStore(2 * arr.shape[0], arr.shape[1], arr.dtype)
+            slots, width = store.slots(keys, rows)
+        if slots is not None:
+            if width:
+                arr[:len(rows), :width] = store.values[slots, :width]
+        else:
+            width = 0
+            for i, row in enumerate(rows):
+                if row:
+                    arr[i, :len(row)] = row
+                    width = max(width, len(row))
         if rows:
             # the staging kernel reads each row's front only (a long max_model_len makes
             # block-table rows of thousands of entries, of which a step uses a few)
@@ -169,3 +175,43 @@ class HostStaging:
             name, tokens = gather
             rows = written.get(name, (0, 0))[0]
             fill_placeholders(self.buffers[name][:rows].view(-1), tokens)
+
+
+class _RowStore:
+    """Rows by key in one array (twice a field's rows), each written when its values change."""
+
+    def __init__(self, capacity: int, width: int, dtype: np.dtype) -> None:
+        self.values = np.zeros((capacity, width), dtype=dtype)
+        self._slot: dict[str, int] = {}
+        self._held: list[list[int] | None] = [None] * capacity  # what values[slot] starts with
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def slots(self, keys: Sequence[str], rows: Sequence[Sequence[int]]
+              ) -> tuple[list[int] | None, int]:
+        """Each row's slot (None when keys repeat), its values written where they changed,
+        and the longest row's length."""
+        out = []
+        width = 0
+        slot_of, held, values = self._slot, self._held, self.values
+        for key, row in zip(keys, rows, strict=True):
+            slot = slot_of.get(key)
+            if slot is None:
+                slot = slot_of[key] = self._take(keys)
+            n = len(row)
+            if n > width:
+                width = n
+            if held[slot] != row:
+                if n:
+                    values[slot, :n] = row
+                held[slot] = list(row)
+            out.append(slot)
+        return (out if len(set(out)) == len(out) else None), width
+
+    def _take(self, live: Sequence[str]) -> int:
+        if not self._free:  # keys of earlier steps only make room (a batch fits twice over)
+            keep = set(live)
+            for key in [k for k in self._slot if k not in keep]:
+                slot = self._slot.pop(key)
+                self._held[slot] = None
+                self._free.append(slot)
+        return self._free.pop()

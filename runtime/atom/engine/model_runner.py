@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -259,7 +260,7 @@ class ModelRunner:
         self.staging.begin()
         # Only the real rows' own blocks are written: kernels never read past a context's
         # blocks, and padded sequences (context 0) read none.
-        self.staging.put_rows("block_tables", r.block_tables)
+        self.staging.put_rows("block_tables", r.block_tables, keys=r.request_ids)
         table = self.staging.host("block_tables")  # each row's slot, from its own table
         slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
         ctx = starts + q
@@ -334,19 +335,15 @@ class ModelRunner:
             return list(range(len(r.token_ids)))
         if r.num_tokens.count(1) == len(r.num_tokens) and all(r.samples):
             return list(range(len(r.num_tokens)))  # a decode step: one row per sequence
-        idx, row = [], 0
-        for n, samples in zip(r.num_tokens, r.samples, strict=True):
-            row += n
-            if samples:
-                idx.append(row - 1)
-        return idx
+        return [end - 1 for end, samples in zip(accumulate(r.num_tokens), r.samples, strict=True)
+                if samples]
 
     def logits_rows(self, idx: list[int]) -> torch.Tensor | int:
         """run_model's logits_indices for these rows: a count when they are the first rows in
         order (every decode step: no index copy, no gather), else the indices on the device."""
         if idx == list(range(len(idx))):
             return len(idx)
-        return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.array(idx, dtype=np.int64)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
