@@ -9,7 +9,7 @@ import torch
 
 from atom.config import Config
 from atom.cudagraph.runner import EAGER, TOKEN_GRAPH, StepPlan
-from atom.engine import LLMEngine, SamplingParams
+from atom.engine import LLMEngine, SamplingParams, model_runner
 from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
 from atom.engine.sequence import Sequence
 from atom.utils.forward_context import get_forward_context
@@ -185,10 +185,17 @@ def _reference_rows(batch: StepBatch, bs: int, pad_rows: int, pad_seqs: int,
             "max_q": max(q_lens, default=0), "max_k": max(ctx, default=0)}
 
 
-def test_prepare_inputs_matches_the_row_by_row_reference(engine: LLMEngine) -> None:
+# SMALL_BATCH_ROWS: every step row by row, or every step with numpy
+BY_ROW_OR_COLUMN = [pytest.param(1 << 30, id="by-row"), pytest.param(0, id="by-column")]
+
+
+@pytest.mark.parametrize("small_rows", BY_ROW_OR_COLUMN)
+def test_prepare_inputs_matches_the_row_by_row_reference(
+        engine: LLMEngine, small_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random prefill chunks, decode steps (1 or 3 rows a sequence, some with a pending last
-    token) and paddings: the numpy path stages exactly the row-by-row values, and a block
-    table row left unchanged from the step before keeps its blocks."""
+    token) and paddings: both ways of preparing a step stage exactly the reference's values,
+    and every sequence's blocks."""
+    monkeypatch.setattr(model_runner, "SMALL_BATCH_ROWS", small_rows)
     rng = random.Random(11)
     runner, bs = engine.runner, engine.block_manager.block_size
     pending = [1000 + j for j in range(8)]
@@ -224,8 +231,10 @@ def test_prepare_inputs_matches_the_row_by_row_reference(engine: LLMEngine) -> N
         assert again[0].tolist() == ref["ids"] and again[2].slot_mapping.tolist() == ref["slots"]
 
 
+@pytest.mark.parametrize("small_rows", BY_ROW_OR_COLUMN)
 def test_prepare_inputs_refuses_a_stray_device_token_and_a_short_block_table(
-        engine: LLMEngine) -> None:
+        engine: LLMEngine, small_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_runner, "SMALL_BATCH_ROWS", small_rows)
     runner = engine.runner
     stray = SeqRows("odd", [PENDING_TOKEN, 5], 0, [1], 0, True)  # pending, but not its last
     with pytest.raises(ValueError, match="'odd'.*still on the device"):

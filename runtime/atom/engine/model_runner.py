@@ -43,6 +43,9 @@ from atom.utils.forward_context import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BLOCKS = 512
+# Steps of at most this many rows are prepared row by row, larger ones with numpy (whose
+# per-call cost is a few microseconds, a Python row's about a quarter of one).
+SMALL_BATCH_ROWS = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -183,12 +186,8 @@ class ModelRunner:
             # Only the real rows' own blocks are written: kernels never read past a context's
             # blocks, and padded sequences (context 0) read none.
             staging.put_rows("block_tables", tables)
-        q_lens = np.asarray(q_lens, dtype=np.int64)
-        ctx_lens = np.asarray(ctx_lens, dtype=np.int64)
-        cu_q = np.zeros(nseq + 1, dtype=np.int64)
-        cu_k = np.zeros(nseq + 1, dtype=np.int64)
-        np.add.accumulate(q_lens, out=cu_q[1:])
-        np.add.accumulate(ctx_lens, out=cu_k[1:])
+        cu_q, max_q = _cumulative(q_lens)
+        cu_k, max_k = _cumulative(ctx_lens)
         input_ids = staging.put("input_ids", rows_ids)
         positions = staging.put("positions", rows_pos)
         slot_mapping = staging.put("slot_mapping", rows_slot)
@@ -200,8 +199,7 @@ class ModelRunner:
         bt = self.forward_vars["block_tables"]
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=int(np.maximum.reduce(q_lens)) if nseq else 0,
-            max_seqlen_k=int(np.maximum.reduce(ctx_lens)) if nseq else 0,
+            max_seqlen_q=max_q, max_seqlen_k=max_k,
             slot_mapping=slot_mapping, context_lens=context_lens, block_tables=bt[:nseq],
             num_seqs=num_seqs, num_rows=num_rows,
             extra={"decode": not is_prefill},
@@ -225,19 +223,14 @@ class ModelRunner:
         """
         r, is_prefill, bs = batch.rows, batch.is_prefill, self.block_size
         num_seqs, num_rows = len(r.starts), len(r.token_ids)
-        q = np.array(r.num_tokens, dtype=np.int64)
-        starts = np.array(r.starts, dtype=np.int64)
-        ids = np.array(r.token_ids, dtype=np.int64)
-        one_row = num_rows == num_seqs and r.num_tokens.count(1) == num_seqs
-        if one_row:
-            seq_of_row, pos = np.arange(num_seqs), starts  # one row per sequence (decode)
+        if num_rows <= SMALL_BATCH_ROWS:  # numpy's cost per call outweighs a few rows' loop
+            ids, pos, slots, pending = _rows_by_row(r, bs)
+            q: Any = r.num_tokens
+            ctx: Any = [s + n for s, n in zip(r.starts, r.num_tokens, strict=True)]
         else:
-            seq_of_row = np.repeat(np.arange(num_seqs), q)
-            first = np.add.accumulate(q) - q  # each sequence's first row
-            pos = starts[seq_of_row] + (np.arange(num_rows) - first[seq_of_row])
-        pending = 0
-        if num_rows and min(r.token_ids) < 0:
-            pending = _placeholders(r, ids, q, seq_of_row, one_row)
+            ids, pos, seq_of_row, pending = _rows_by_column(r, bs)
+            q = np.array(r.num_tokens, dtype=np.int64)
+            ctx = np.array(r.starts, dtype=np.int64) + q
         if is_prefill:
             rows = max(num_rows, pad_to_rows or 0)
             nseq = max(num_seqs, pad_to_seqs or 0)
@@ -249,27 +242,18 @@ class ModelRunner:
         if pending and pending_tokens is None:
             raise ValueError(f"{pending} rows wait for sampled tokens, none given")
         self._check_size(rows, nseq)
-        blocks = pos // bs
-        lens = np.fromiter(map(len, r.block_tables), dtype=np.int64, count=num_seqs)
-        short = blocks >= (lens if one_row else lens[seq_of_row])
-        if np.count_nonzero(short):
-            row = int(np.argmax(short))
-            i = int(seq_of_row[row])
-            raise IndexError(f"request {r.request_ids[i]!r}: its block table holds {lens[i]} "
-                             f"blocks, a row has position {int(pos[row])}")
         self.staging.begin()
         # Only the real rows' own blocks are written: kernels never read past a context's
         # blocks, and padded sequences (context 0) read none.
-        self.staging.put_rows("block_tables", r.block_tables, keys=r.request_ids)
-        table = self.staging.host("block_tables")  # each row's slot, from its own table
-        slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
-        ctx = starts + q
-        if nseq > num_seqs:
-            q = np.concatenate((q, np.full(nseq - num_seqs, q_pad, dtype=np.int64)))
-            ctx = np.concatenate((ctx, np.zeros(nseq - num_seqs, dtype=np.int64)))
+        by_key = r.request_ids if num_rows > SMALL_BATCH_ROWS else None  # few rows: just write
+        self.staging.put_rows("block_tables", r.block_tables, keys=by_key)
+        if num_rows > SMALL_BATCH_ROWS:  # each row's slot, from its own staged table
+            blocks = pos // bs
+            table = self.staging.host("block_tables")
+            slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
         return self._build(_padded(ids, rows, 0), _padded(pos, rows, 0), _padded(slots, rows, -1),
-                           q, ctx, None, is_prefill, num_seqs, num_rows,
-                           pending_tokens if pending else None)
+                           _padded(q, nseq, q_pad), _padded(ctx, nseq, 0), None, is_prefill,
+                           num_seqs, num_rows, pending_tokens if pending else None)
 
     def build_dummy_decode(self, num_seqs: int, q_len: int = 1) -> StepInputs:
         """A fake decode batch for capture and warm-up: every sequence lives in the reserved block."""
@@ -409,31 +393,90 @@ class ModelRunner:
         return 0.0, []
 
 
-def _padded(values: np.ndarray, n: int, fill: int) -> np.ndarray:
+def _cumulative(values: Any) -> tuple[Any, int]:
+    """[0, v0, v0 + v1, ...] (a list or an array, as values) and the largest value (or 0)."""
+    if isinstance(values, np.ndarray):
+        cu = np.zeros(len(values) + 1, dtype=np.int64)
+        np.add.accumulate(values, out=cu[1:])
+        return cu, int(np.maximum.reduce(values)) if len(values) else 0
+    return [0, *accumulate(values)], max(values, default=0)
+
+
+def _padded(values: Any, n: int, fill: int) -> Any:
+    """A list or array extended with fill up to n values."""
     if len(values) >= n:
         return values
+    if isinstance(values, list):
+        return values + [fill] * (n - len(values))
     return np.concatenate((values, np.full(n - len(values), fill, dtype=values.dtype)))
 
 
-def _placeholders(rows: StepRows, ids: np.ndarray, q: np.ndarray, seq_of_row: np.ndarray,
-                  one_row: bool) -> int:
-    """Stage each sequence's pending last token as -(pending_src + 1) in ids (in place); how
-    many. Only a sequence's last token can be pending (the host reads a step's tokens before
-    the step after next is prepared); any other negative id would be taken for a
-    placeholder, so it is refused."""
-    src = np.array([-1 if p is None else p for p in rows.pending_src], dtype=np.int64)
-    if one_row:  # one row per sequence (decode): row i is sequence i's last
-        last = seqs = ((src >= 0) & (ids == PENDING_TOKEN)).nonzero()[0]
+def _short_table(rows: StepRows, i: int, position: int) -> IndexError:
+    return IndexError(f"request {rows.request_ids[i]!r}: its block table holds "
+                      f"{len(rows.block_tables[i])} blocks, a row has position {position}")
+
+
+def _stray_token(rows: StepRows, i: int) -> ValueError:
+    return ValueError(f"request {rows.request_ids[i]!r}: a token of its scheduled range is still "
+                      "on the device and no sampled row is named for it")
+
+
+def _rows_by_row(r: StepRows, bs: int) -> tuple[list[int], list[int], list[int], int]:
+    """A small step's token ids (its pending last tokens staged as -(pending_src + 1)),
+    positions and slots, and how many are pending. Only a sequence's last token can be
+    pending (the host reads a step's tokens before the step after next is prepared); any
+    other negative id would be taken for a placeholder, so it is refused."""
+    ids, pos, slots = list(r.token_ids), [], []
+    pending = row = 0
+    for i, n in enumerate(r.num_tokens):
+        start, table, src = r.starts[i], r.block_tables[i], r.pending_src[i]
+        row += n
+        last_pending = src is not None and n and ids[row - 1] == PENDING_TOKEN
+        if n and min(ids[row - n:row - 1 if last_pending else row], default=0) < 0:
+            raise _stray_token(r, i)
+        if last_pending:
+            ids[row - 1] = -(src + 1)
+            pending += 1
+        if n and (start + n - 1) // bs >= len(table):
+            raise _short_table(r, i, start + n - 1)
+        pos.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+    return ids, pos, slots, pending
+
+
+def _rows_by_column(r: StepRows, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """_rows_by_row's token ids, positions and pending count with numpy, and each row's
+    sequence (the slots are read from the staged block tables)."""
+    num_seqs, num_rows = len(r.starts), len(r.token_ids)
+    q = np.array(r.num_tokens, dtype=np.int64)
+    starts = np.array(r.starts, dtype=np.int64)
+    ids = np.array(r.token_ids, dtype=np.int64)
+    one_row = num_rows == num_seqs and r.num_tokens.count(1) == num_seqs
+    if one_row:
+        seq_of_row, pos = np.arange(num_seqs), starts  # one row per sequence (decode)
     else:
-        seqs = ((src >= 0) & (q > 0)).nonzero()[0]
-        last = np.add.accumulate(q)[seqs] - 1
-        hit = ids[last] == PENDING_TOKEN
-        seqs, last = seqs[hit], last[hit]
-    stray = ids < 0
-    if np.count_nonzero(stray) != len(last):
-        stray[last] = False
-        i = int(seq_of_row[int(np.argmax(stray))])
-        raise ValueError(f"request {rows.request_ids[i]!r}: a token of its scheduled range "
-                         "is still on the device and no sampled row is named for it")
-    ids[last] = -(src[seqs] + 1)
-    return len(last)
+        seq_of_row = np.repeat(np.arange(num_seqs), q)
+        first = np.add.accumulate(q) - q  # each sequence's first row
+        pos = starts[seq_of_row] + (np.arange(num_rows) - first[seq_of_row])
+    pending = 0
+    if num_rows and min(r.token_ids) < 0:
+        src = np.array([-1 if p is None else p for p in r.pending_src], dtype=np.int64)
+        if one_row:  # row i is sequence i's last
+            last = seqs = ((src >= 0) & (ids == PENDING_TOKEN)).nonzero()[0]
+        else:
+            seqs = ((src >= 0) & (q > 0)).nonzero()[0]
+            last = np.add.accumulate(q)[seqs] - 1
+            hit = ids[last] == PENDING_TOKEN
+            seqs, last = seqs[hit], last[hit]
+        stray = ids < 0
+        if np.count_nonzero(stray) != len(last):
+            stray[last] = False
+            raise _stray_token(r, int(seq_of_row[int(np.argmax(stray))]))
+        ids[last] = -(src[seqs] + 1)
+        pending = len(last)
+    lens = np.fromiter(map(len, r.block_tables), dtype=np.int64, count=num_seqs)
+    short = pos // bs >= (lens if one_row else lens[seq_of_row])
+    if np.count_nonzero(short):
+        row = int(np.argmax(short))
+        raise _short_table(r, int(seq_of_row[row]), int(pos[row]))
+    return ids, pos, seq_of_row, pending
