@@ -3,7 +3,9 @@
 The model runner sits below the scheduler: it reads what a step computes (tokens, positions,
 block tables) from a `StepBatch` and never imports `atom.engine.sequence`. The engine builds
 the batch from its scheduled sequences with `StepBatch.of`, which reads them through the
-`ScheduledSequence` protocol.
+`ScheduledSequence` protocol straight into columns (`StepRows`: one list per field, no object
+per sequence; at 256 sequences a step's host time is what bounds serving, issue 26); batches
+built from `SeqRows` (speculative decoding's) give the same columns.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ the packed buffers are host memory: the mirrors are the buffers themselves and n
 copied.
 
 Each step overwrites the front of each field; what lies past it keeps the values of earlier
-steps (readers never go past a step's own rows, sequences and blocks).
+steps (readers never go past a step's own rows, sequences and blocks). Block-table rows can be
+put by request id: a request's row is converted from its list only when its blocks changed,
+and the step's rows are gathered from those in one numpy copy.
 """
 
 from __future__ import annotations

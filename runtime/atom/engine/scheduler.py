@@ -137,9 +137,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_scheduled_tokens = 0
-        if seq in self.running:
+        try:
             self.running.remove(seq)
-        else:
+        except ValueError:
             try:
                 self.waiting.remove(seq)
             except ValueError:
