@@ -29,6 +29,8 @@ event is recorded or waited for, and the recorded graph's own replay (argument c
 graph launch) is not run. Those are per-step costs, not per-sequence ones. The logits are
 float32 over tiny-llama's 256 tokens; the sampler's arithmetic on them, which on the GPU is a
 few launches, is reported alone as sampler_math_us (part of every step's time here).
+Not timed: the API server's side, the ZeroMQ send itself (the socket is a sink) and the
+decoding of AddRequest messages (steady's new requests enter at LLMEngine.add_request).
 
     OMP_NUM_THREADS=1 PYTHONPATH=runtime python bench/host_overhead.py [--batches 1 64 256]
         [--scenarios decode steady] [--steps 150] [--out host.json]

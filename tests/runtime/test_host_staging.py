@@ -96,11 +96,14 @@ def test_a_table_row_moves_only_its_written_front_through_the_kernel(
     assert table[0][4] == (5 if kernel else 99)
 
 
-def test_keyed_rows_follow_their_keys_whatever_row_they_land_in() -> None:
+@pytest.mark.parametrize(("device", "kernel"), PATHS)
+def test_keyed_rows_follow_their_keys_whatever_row_they_land_in(
+        device: str, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """put_rows with keys (a step's request ids) converts a key's row only when it changed,
     then gathers every row: rows that move up, grow, come back with other values, repeat a
     key, or outlive the store's room all land as given."""
-    staging = _staging("cpu")
+    monkeypatch.setattr(host_staging, "DEVICE_READS_MIRRORS", kernel)
+    staging = _staging(device)
     table = staging.buffers["table"]
 
     def put(rows: list[list[int]], keys: list[str]) -> list[list[int]]:
