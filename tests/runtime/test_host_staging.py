@@ -96,6 +96,31 @@ def test_a_table_row_moves_only_its_written_front_through_the_kernel(
     assert table[0][4] == (5 if kernel else 99)
 
 
+@pytest.mark.parametrize(("device", "kernel"), PATHS)
+def test_keyed_rows_follow_their_keys_whatever_row_they_land_in(
+        device: str, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """put_rows with keys (a step's request ids) converts a key's row only when it changed,
+    then gathers every row: rows that move up, grow, come back with other values, repeat a
+    key, or outlive the store's room all land as given."""
+    monkeypatch.setattr(host_staging, "DEVICE_READS_MIRRORS", kernel)
+    staging = _staging(device)
+    table = staging.buffers["table"]
+
+    def put(rows: list[list[int]], keys: list[str]) -> list[list[int]]:
+        staging.begin()
+        staging.put_rows("table", rows, keys=keys)
+        staging.flush()
+        return [table[i, : len(r)].tolist() for i, r in enumerate(rows)]
+
+    assert put([[1, 2], [3], [4, 5, 6]], ["a", "b", "c"]) == [[1, 2], [3], [4, 5, 6]]
+    assert put([[3, 7], [4, 5, 6]], ["b", "c"]) == [[3, 7], [4, 5, 6]]  # "a" ended: all move up
+    assert put([[9], [3, 7]], ["a", "b"]) == [[9], [3, 7]]  # "a" again, with other blocks
+    assert put([[5], [6, 6]], ["x", "x"]) == [[5], [6, 6]]  # a repeated key: written row by row
+    for step in range(6):  # more keys than the store holds (twice the field's 4 rows)
+        rows = [[step * 10 + i] * (i + 1) for i in range(4)]
+        assert put(rows, [f"k{step}-{i}" for i in range(4)]) == rows
+
+
 def test_fill_placeholders_leaves_ids_without_any() -> None:
     ids = torch.tensor([4, 0, 5])
     fill_placeholders(ids, torch.tensor([7]))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from atom.config import Config
-from atom.engine import LLMEngine, SamplingParams
-from atom.engine.batch import StepBatch
+from atom.engine import LLMEngine, SamplingParams, model_runner
+from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
 from atom.engine.sequence import Sequence
 from atom.utils.forward_context import get_forward_context
 
@@ -100,7 +102,8 @@ class _FakeGraphRunner:
     def __init__(self, out: torch.Tensor | None) -> None:
         self.out, self.calls = out, 0
 
-    def pad_sizes(self, runner, seqs, is_prefill, verify_rows=1):
+    def padding(self, is_prefill, num_seqs, num_tokens, q_len=1, verify_rows=1):
+        # decode steps padded to 4 sequences, prefill steps eager
         return None, (None if is_prefill else 4)
 
     def maybe_replay(self, runner, input_ids):
@@ -149,3 +152,92 @@ def test_logits_rows_count_for_leading_rows_else_indices(engine: LLMEngine) -> N
     assert by_count.shape == (2, by_count.shape[1]) and hidden.shape[0] == 4
     assert torch.equal(by_count, by_index)
     _free(engine, seqs)
+
+
+def _reference_rows(batch: StepBatch, bs: int, pad_rows: int, pad_seqs: int,
+                    pending: list[int]) -> dict[str, list]:
+    """The step's inputs computed row by row, token by token (what prepare_inputs did before
+    it used numpy columns), with placeholders already replaced by their pending tokens."""
+    ids, pos, slots, q_lens, ctx = [], [], [], [], []
+    for s in batch.seqs:
+        toks = list(s.token_ids)
+        if s.pending_src is not None and toks and toks[-1] == PENDING_TOKEN:
+            toks[-1] = pending[s.pending_src]
+        ids += toks
+        pos += range(s.start, s.start + len(toks))
+        slots += [s.block_table[p // bs] * bs + p % bs for p in range(s.start, s.start + len(toks))]
+        q_lens.append(len(toks))
+        ctx.append(s.start + len(toks))
+    n = len(q_lens)
+    if batch.is_prefill:
+        rows, nseq, q_pad = max(len(ids), pad_rows), max(n, pad_seqs), 0
+    else:
+        q_pad = max(q_lens, default=1)
+        nseq = max(n, pad_seqs, -(-pad_rows // q_pad))
+        rows = max(len(ids), nseq * q_pad)
+    pad = rows - len(ids)
+    q_lens += [q_pad] * (nseq - n)
+    ctx += [0] * (nseq - n)
+    return {"ids": ids + [0] * pad, "pos": pos + [0] * pad, "slots": slots + [-1] * pad,
+            "cu_q": [sum(q_lens[:i]) for i in range(nseq + 1)],
+            "cu_k": [sum(ctx[:i]) for i in range(nseq + 1)], "ctx": ctx,
+            "max_q": max(q_lens, default=0), "max_k": max(ctx, default=0)}
+
+
+# SMALL_BATCH_ROWS: every step row by row, or every step with numpy
+BY_ROW_OR_COLUMN = [pytest.param(1 << 30, id="by-row"), pytest.param(0, id="by-column")]
+
+
+@pytest.mark.parametrize("small_rows", BY_ROW_OR_COLUMN)
+def test_prepare_inputs_matches_the_row_by_row_reference(
+        engine: LLMEngine, small_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random prefill chunks, decode steps (1 or 3 rows a sequence, some with a pending last
+    token) and paddings: both ways of preparing a step stage exactly the reference's values,
+    and every sequence's blocks."""
+    monkeypatch.setattr(model_runner, "SMALL_BATCH_ROWS", small_rows)
+    rng = random.Random(11)
+    runner, bs = engine.runner, engine.block_manager.block_size
+    pending = [1000 + j for j in range(8)]
+    tokens = torch.tensor(pending)
+    for trial in range(40):
+        prefill = trial % 2 == 0
+        q = 1 if prefill or trial % 4 == 1 else 3
+        rows = []
+        for i in range(rng.randrange(1, 5)):
+            start = rng.randrange(0, 40)
+            n = rng.randrange(1, 9) if prefill else q
+            table = rng.sample(range(runner.num_kv_blocks), (start + n + bs - 1) // bs)
+            toks = [rng.randrange(3, 200) for _ in range(n)]
+            src = i if not prefill and rng.random() < 0.6 else None
+            if src is not None:
+                toks[-1] = PENDING_TOKEN
+            rows.append(SeqRows(str(i), toks, start, table, src, True))
+        batch = StepBatch(rows, prefill)
+        pad_rows, pad_seqs = rng.choice([0, 0, 8]), rng.choice([0, 6])
+        ids, pos, meta, ctx = runner.prepare_inputs(batch, pad_rows, pad_seqs, tokens)
+        ref = _reference_rows(batch, bs, pad_rows, pad_seqs, pending)
+        assert ids.tolist() == ref["ids"] and pos.tolist() == ref["pos"]
+        assert meta.slot_mapping.tolist() == ref["slots"]
+        assert meta.cu_seqlens_q.tolist() == ref["cu_q"] and meta.cu_seqlens_k.tolist() == ref["cu_k"]
+        assert meta.context_lens.tolist() == ref["ctx"]
+        assert (meta.max_seqlen_q, meta.max_seqlen_k) == (ref["max_q"], ref["max_k"])
+        assert (meta.num_seqs, meta.num_rows) == (len(rows), sum(len(r.token_ids) for r in rows))
+        for i, r in enumerate(rows):
+            assert meta.block_tables[i, : len(r.block_table)].tolist() == r.block_table
+        # the same batch from its columns (StepBatch.of's form) stages the same rows
+        again = runner.prepare_inputs(StepBatch(None, prefill, rows=batch.rows), pad_rows,
+                                      pad_seqs, tokens)
+        assert again[0].tolist() == ref["ids"] and again[2].slot_mapping.tolist() == ref["slots"]
+
+
+@pytest.mark.parametrize("small_rows", BY_ROW_OR_COLUMN)
+def test_prepare_inputs_refuses_a_stray_device_token_and_a_short_block_table(
+        engine: LLMEngine, small_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_runner, "SMALL_BATCH_ROWS", small_rows)
+    runner = engine.runner
+    stray = SeqRows("odd", [PENDING_TOKEN, 5], 0, [1], 0, True)  # pending, but not its last
+    with pytest.raises(ValueError, match="'odd'.*still on the device"):
+        runner.prepare_inputs(StepBatch([stray], True), pending_tokens=torch.tensor([7]))
+    short = SeqRows("short", [5], engine.block_manager.block_size, [1], None, True)
+    with pytest.raises(IndexError, match="'short'"):
+        runner.prepare_inputs(StepBatch([short], False))

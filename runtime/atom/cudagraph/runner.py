@@ -325,10 +325,17 @@ class GraphRunner:
         it plans as len(seqs) / verify_rows requests of verify_rows rows (bucket (bs, k))."""
         num_tokens = sum(int(s.num_scheduled_tokens) for s in seqs)
         q_len = 1 if is_prefill else max((int(s.num_scheduled_tokens) for s in seqs), default=1)
+        return self.padding(is_prefill, len(seqs), num_tokens, q_len, verify_rows)
+
+    def padding(
+        self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int = 1,
+        verify_rows: int = 1,
+    ) -> tuple[int | None, int | None]:
+        """pad_sizes from the step's counts (num_seqs: sequences, or a verify step's rows)."""
         if verify_rows > 1 and not is_prefill:
-            plan = self.plan(False, len(seqs) // verify_rows, num_tokens, verify_rows)
+            plan = self.plan(False, num_seqs // verify_rows, num_tokens, verify_rows)
             return (plan.rows, plan.rows) if plan.padded else (None, None)
-        plan = self.plan(is_prefill, len(seqs), num_tokens, q_len)
+        plan = self.plan(is_prefill, num_seqs, num_tokens, q_len)
         return (plan.rows, plan.seqs) if plan.padded else (None, None)
 
     # ---------------------------------------------------------------- capture

@@ -3,13 +3,16 @@
 The model runner sits below the scheduler: it reads what a step computes (tokens, positions,
 block tables) from a `StepBatch` and never imports `atom.engine.sequence`. The engine builds
 the batch from its scheduled sequences with `StepBatch.of`, which reads them through the
-`ScheduledSequence` protocol.
+`ScheduledSequence` protocol straight into columns (`StepRows`: one list per field, no object
+per sequence; at 256 sequences a step's host time is what bounds serving, issue 26); batches
+built from `SeqRows` (speculative decoding's) give the same columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
 # Stands in token_ids for a token sampled by a step whose result the host has not read yet
@@ -45,38 +48,113 @@ class SeqRows:
 
 
 @dataclass(frozen=True)
-class StepBatch:
-    """One scheduled step: its sequences' rows, in order, and its phase."""
+class StepRows:
+    """A step's rows by column, one entry per sequence in order (what the runner reads: no
+    object per sequence to build each step)."""
 
-    seqs: list[SeqRows]
-    is_prefill: bool
-    logits_all: bool = False  # a verify step: logits of every row (k + 1 per request)
+    request_ids: list[str]
+    token_ids: list[int]  # every sequence's scheduled tokens, one sequence after the other
+    num_tokens: list[int]  # scheduled tokens (rows) per sequence
+    starts: list[int]
+    block_tables: list[list[int]]
+    pending_src: list[int | None]
+    samples: list[bool]
+
+    @classmethod
+    def of(cls, seqs: list[SeqRows]) -> StepRows:
+        return cls(
+            [s.request_id for s in seqs],
+            list(chain.from_iterable(s.token_ids for s in seqs)),
+            [len(s.token_ids) for s in seqs],
+            [s.start for s in seqs],
+            [s.block_table for s in seqs],
+            [s.pending_src for s in seqs],
+            [s.samples for s in seqs],
+        )
+
+    def seq_rows(self) -> list[SeqRows]:
+        out, row = [], 0
+        for i, n in enumerate(self.num_tokens):
+            out.append(
+                SeqRows(
+                    self.request_ids[i],
+                    self.token_ids[row : row + n],
+                    self.starts[i],
+                    self.block_tables[i],
+                    self.pending_src[i],
+                    self.samples[i],
+                )
+            )
+            row += n
+        return out
+
+
+class StepBatch:
+    """One scheduled step: its sequences' rows, in order, and its phase. Built from SeqRows
+    (`seqs`) or, by `of`, from the scheduled sequences straight into columns (`rows`); each
+    view is made from the other when first asked for."""
+
+    def __init__(
+        self,
+        seqs: list[SeqRows] | None,
+        is_prefill: bool,
+        logits_all: bool = False,  # a verify step: logits of every row (k + 1 per request)
+        *,
+        rows: StepRows | None = None,
+    ) -> None:
+        if seqs is None and rows is None:
+            raise ValueError("a StepBatch needs its sequences' rows")
+        self._seqs = seqs
+        self._rows = rows
+        self.is_prefill = is_prefill
+        self.logits_all = logits_all
 
     @classmethod
     def of(cls, seqs: Iterable[ScheduledSequence], is_prefill: bool) -> StepBatch:
-        rows = []
-        for seq in seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            rows.append(
-                SeqRows(
-                    seq.request_id,
-                    seq.token_ids[start : start + n],
-                    start,
-                    seq.block_table,
-                    seq.pending_src,
-                    start + n == len(seq.token_ids),
-                )
-            )
-        return cls(rows, is_prefill)
+        seqs = seqs if isinstance(seqs, list) else list(seqs)
+        starts = [s.num_computed_tokens for s in seqs]
+        counts = [s.num_scheduled_tokens for s in seqs]
+        samples = [p + n == len(s.token_ids) for s, p, n in zip(seqs, starts, counts, strict=True)]
+        if counts.count(1) == len(counts) and all(samples):
+            ids = [s.token_ids[p] for s, p in zip(seqs, starts, strict=True)]  # a decode step
+        else:
+            chunks = [s.token_ids[p : p + n] for s, p, n in zip(seqs, starts, counts, strict=True)]
+            ids = list(chain.from_iterable(chunks))
+            counts = [len(chunk) for chunk in chunks]
+        rows = StepRows(
+            [s.request_id for s in seqs],
+            ids,
+            counts,
+            starts,
+            [s.block_table for s in seqs],
+            [s.pending_src for s in seqs],
+            samples,
+        )
+        return cls(None, is_prefill, rows=rows)
+
+    @property
+    def seqs(self) -> list[SeqRows]:
+        if self._seqs is None:
+            self._seqs = self.rows.seq_rows()
+        return self._seqs
+
+    @property
+    def rows(self) -> StepRows:
+        if self._rows is None:
+            self._rows = StepRows.of(self._seqs or [])
+        return self._rows
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seqs)
+        return len(self.rows.starts)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return len(self.rows.token_ids)
 
     def sampled(self) -> list[int]:
         """Indices of the sequences whose last row is sampled after this step."""
-        return [i for i, s in enumerate(self.seqs) if s.samples]
+        samples = self.rows.samples
+        if all(samples):
+            return list(range(len(samples)))
+        return [i for i, s in enumerate(samples) if s]

@@ -179,6 +179,19 @@ class BlockManager:
         if cached_tokens:
             self.stats.requests_hit += 1
 
+    def cache_blocks_of(self, seqs: list[Sequence]) -> None:
+        """cache_blocks for each of seqs that has a full computed block of known tokens not
+        registered yet (a decode step's few). A last token still on the device (PENDING_TOKEN,
+        asynchronous scheduling) keeps its block out until a later call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for seq in seqs:
+            tokens = seq.token_ids
+            known = len(tokens) - 1 if tokens and tokens[-1] == PENDING_TOKEN else len(tokens)
+            if min(seq.num_computed_tokens, known) // bs > seq.num_registered_blocks:
+                self.cache_blocks(seq)
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Register seq's full computed blocks whose tokens are known (call after the step
         that computes them was launched). A block whose key another block already holds

@@ -21,7 +21,9 @@ the packed buffers are host memory: the mirrors are the buffers themselves and n
 copied.
 
 Each step overwrites the front of each field; what lies past it keeps the values of earlier
-steps (readers never go past a step's own rows, sequences and blocks).
+steps (readers never go past a step's own rows, sequences and blocks). Block-table rows can be
+put by request id: a request's row is converted from its list only when its blocks changed,
+and the step's rows are gathered from those in one numpy copy.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class HostStaging:
         # field -> (leading rows, values a row) written since the last flush
         self._written: dict[str, tuple[int, int]] = {}
         self._pending = False
+        self._stores: dict[str, _RowStore] = {}  # 2-D field -> its keyed rows (put_rows)
 
     def begin(self) -> None:
         """Before writing a step's inputs: the last step's copies have read the mirrors."""
@@ -94,7 +97,11 @@ class HostStaging:
         was_rows, was_cols = self._written.get(name, (0, 0))
         self._written[name] = (max(rows, was_rows), max(cols, was_cols))
 
-    def put(self, name: str, values: Sequence[int]) -> torch.Tensor:
+    def host(self, name: str) -> np.ndarray:
+        """The host mirror of field `name` (what a step's puts write into)."""
+        return self._arrays[name]
+
+    def put(self, name: str, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         """values at the front of field `name`; the device slice they will land in."""
         n = len(values)
         if n:
@@ -102,17 +109,34 @@ class HostStaging:
             self._wrote(name, n)
         return self.buffers[name][:n]
 
-    def put_rows(self, name: str, rows: Sequence[Sequence[int]]) -> None:
+    def put_rows(self, name: str, rows: Sequence[Sequence[int]],
+                 keys: Sequence[str] | None = None) -> None:
         """Row i of the 2-D field `name` starts with rows[i]; the rest of each row keeps what
-        it held (no padding to write, however ragged the rows)."""
+        it held (no padding to write, however ragged the rows). keys (unique, one a row: the
+        request ids of a step's block tables): each key's row is kept in a store and converted
+        only when it changed since the key's last put, then the rows are gathered at once
+        (most block tables do not change from one step to the next, though a request that
+        ends moves those after it up a row)."""
         arr = self._arrays[name]
-        for i, row in enumerate(rows):
-            if row:
-                arr[i, :len(row)] = row
+        slots = None
+        if keys is not None:
+            store = self._stores.get(name)
+            if store is None:
+                store = self._stores[name] = _RowStore(2 * arr.shape[0], arr.shape[1], arr.dtype)
+            slots, width = store.slots(keys, rows)
+        if slots is not None:
+            if width:
+                arr[:len(rows), :width] = store.values[slots, :width]
+        else:
+            width = 0
+            for i, row in enumerate(rows):
+                if row:
+                    arr[i, :len(row)] = row
+                    width = max(width, len(row))
         if rows:
             # the staging kernel reads each row's front only (a long max_model_len makes
             # block-table rows of thousands of entries, of which a step uses a few)
-            self._wrote(name, len(rows), max(len(row) for row in rows))
+            self._wrote(name, len(rows), width)
 
     def flush(self, gather: tuple[str, torch.Tensor] | None = None) -> None:
         """Move what was written since the last flush to the device (on the current stream).
@@ -153,3 +177,43 @@ class HostStaging:
             name, tokens = gather
             rows = written.get(name, (0, 0))[0]
             fill_placeholders(self.buffers[name][:rows].view(-1), tokens)
+
+
+class _RowStore:
+    """Rows by key in one array (twice a field's rows), each written when its values change."""
+
+    def __init__(self, capacity: int, width: int, dtype: np.dtype) -> None:
+        self.values = np.zeros((capacity, width), dtype=dtype)
+        self._slot: dict[str, int] = {}
+        self._held: list[list[int] | None] = [None] * capacity  # what values[slot] starts with
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def slots(self, keys: Sequence[str], rows: Sequence[Sequence[int]]
+              ) -> tuple[list[int] | None, int]:
+        """Each row's slot (None when keys repeat), its values written where they changed,
+        and the longest row's length."""
+        out = []
+        width = 0
+        slot_of, held, values = self._slot, self._held, self.values
+        for key, row in zip(keys, rows, strict=True):
+            slot = slot_of.get(key)
+            if slot is None:
+                slot = slot_of[key] = self._take(keys)
+            n = len(row)
+            if n > width:
+                width = n
+            if held[slot] != row:
+                if n:
+                    values[slot, :n] = row
+                held[slot] = list(row)
+            out.append(slot)
+        return (out if len(set(out)) == len(out) else None), width
+
+    def _take(self, live: Sequence[str]) -> int:
+        if not self._free:  # keys of earlier steps only make room (a batch fits twice over)
+            keep = set(live)
+            for key in [k for k in self._slot if k not in keep]:
+                slot = self._slot.pop(key)
+                self._held[slot] = None
+                self._free.append(slot)
+        return self._free.pop()

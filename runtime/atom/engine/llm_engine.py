@@ -30,9 +30,9 @@ from atom.engine.model_runner import ModelRunner
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.engine.prefix_cache import BlockHash, root_hash
 from atom.engine.sampled_copy import SampledCopier, SampledCopy
-from atom.engine.sampler import Sampler, host_results
+from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerOutput
-from atom.engine.sequence import PENDING_TOKEN, Sequence
+from atom.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from atom.models.registry import load_model_config
 from atom.spec_decode.config import SpecMethod
 from atom.spec_decode.decoder import SpecDecoder
@@ -41,6 +41,7 @@ from atom.utils.counters import counters
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_HOLD_S = 30.0
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -336,49 +337,68 @@ class LLMEngine:
         before = self._launched.tokens if self._launched is not None else None
         batch = StepBatch.of(sched.seqs, sched.is_prefill)
         logits, sampled = self.runner.execute_model(batch, before)
-        to_sample = [sched.seqs[i] for i in sampled]
-        for seq in sched.seqs:
+        seqs = sched.seqs
+        to_sample = seqs if len(sampled) == len(seqs) else [seqs[i] for i in sampled]
+        for seq in seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            # Launched: any later step reads these blocks after this one wrote them.
-            self.block_manager.cache_blocks(seq)
+        # Launched: any later step reads these blocks after this one wrote them.
+        self.block_manager.cache_blocks_of(seqs)
         if not to_sample:
             return None
         host_tokens = self._copier.next_tokens(len(to_sample))
         tokens, logprobs = self.sampler.sample(logits, to_sample, host_tokens)
         slots: list[int | None] = []
+        max_model_len = self.config.max_model_len
         for i, seq in enumerate(to_sample):
-            if self._ends_by_length(seq, seq.num_tokens + 1):
-                slots.append(None)  # its last token: not scheduled again
+            n = len(seq.token_ids)  # this step's token is the (n + 1)-th
+            if n + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or n + 1 >= max_model_len:
+                slots.append(None)  # its last token (_ends_by_length): not scheduled again
             else:
-                slots.append(seq.num_tokens)
+                slots.append(n)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.pending_src = i
         copy = self._copier.start(tokens, logprobs, tokens_on_host=host_tokens is not None)
         return LaunchedStep(to_sample, slots, tokens, copy)
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Put a launched step's tokens in their sequences; finish those they end."""
-        tokens, lps = host_results(*step.copy.result(), step.seqs)
+        """Put a launched step's tokens in their sequences; finish those they end. The
+        per-sequence work of _stop_reason and _output, inline (it runs for every row)."""
+        tokens, lps = step.copy.result()
+        if lps is None:
+            lps = [None] * len(tokens)
         outputs = []
+        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for seq, slot, tok, lp in zip(step.seqs, step.slots, tokens, lps, strict=True):
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue  # aborted, or stopped by a token read after this step was launched
             if slot is None:
                 slot = len(seq.token_ids)
                 seq.token_ids.append(tok)
             else:
                 seq.token_ids[slot] = tok
-            if lp is not None:
+            p = seq.params
+            if not p.logprobs:
+                lp = None
+            elif lp is not None:
                 seq.output_logprobs.append(lp)
-            reason = self._stop_reason(seq, tok, slot + 1)
+            n = slot + 1
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                reason: str | None = "stop"
+            elif n - seq.num_prompt_tokens >= p.max_tokens or n >= max_model_len:
+                reason = "length"
+            else:
+                reason = None
             if reason is not None:
-                _drop_pending(seq, slot + 1)
+                _drop_pending(seq, n)
                 if seq.hold_kv:
                     self._hold_prompt_blocks(seq)
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [tok], [lp], slot + 1))
+            new_lps = ([lp] if lp is not None else []) if p.logprobs else None
+            outputs.append(RequestOutput(
+                seq.request_id, [tok], new_lps, reason is not None, seq.finish_reason,
+                seq.num_prompt_tokens, n - seq.num_prompt_tokens, seq.num_cached_tokens or 0))
         return outputs
 
     # ---- disaggregation ------------------------------------------------------------------------

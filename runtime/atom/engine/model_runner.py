@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
+from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 from atom.compilation.decorators import compile_for_level
@@ -22,7 +24,7 @@ from atom.compilation.prefetch import CompilePrefetch
 from atom.config import CompilationLevel, Config
 from atom.cudagraph.region_graph import ReqGraph
 from atom.cudagraph.runner import GraphRunner
-from atom.engine.batch import PENDING_TOKEN, StepBatch
+from atom.engine.batch import PENDING_TOKEN, StepBatch, StepRows
 from atom.engine.host_staging import HostStaging
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
@@ -41,6 +43,9 @@ from atom.utils.forward_context import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BLOCKS = 512
+# Steps of at most this many rows are prepared row by row, larger ones with numpy (whose
+# per-call cost is a few microseconds, a Python row's about a quarter of one).
+SMALL_BATCH_ROWS = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -163,39 +168,41 @@ class ModelRunner:
         self.dummy_block = num_blocks
 
     # ---- inputs --------------------------------------------------------------------------
-    def _build(self, rows_ids: list[int], rows_pos: list[int], rows_slot: list[int],
-               q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], is_prefill: bool,
-               num_seqs: int, num_rows: int, pending_tokens: torch.Tensor | None = None,
-               verify_rows: int = 1) -> StepInputs:
-        """Copy host lists (already padded) into the persistent buffers and wrap them. A token
-        id -(j + 1) is a placeholder for pending_tokens[j] (the previous step's sampled ids,
-        on the device), filled in on the device. verify_rows > 1: a verify step's rows, one
-        sequence each, verify_rows per request (running_bs counts requests)."""
-        rows, nseq = len(rows_ids), len(ctx_lens)
+    def _check_size(self, rows: int, nseq: int) -> None:
         if rows > self.max_num_rows or nseq > self.max_meta_seqs:
             raise ValueError(f"batch of {rows} rows / {nseq} sequences exceeds the runner's buffers "
                              f"({self.max_num_rows} rows, {self.max_meta_seqs} sequences)")
-        cu_q, cu_k = [0], [0]
-        for q, c in zip(q_lens, ctx_lens, strict=True):
-            cu_q.append(cu_q[-1] + q)
-            cu_k.append(cu_k[-1] + c)
+
+    def _build(self, rows_ids: Any, rows_pos: Any, rows_slot: Any, q_lens: Any, ctx_lens: Any,
+               tables: list[list[int]] | None, is_prefill: bool, num_seqs: int, num_rows: int,
+               pending_tokens: torch.Tensor | None = None, verify_rows: int = 1) -> StepInputs:
+        """Copy host values (lists or numpy arrays, already padded) into the persistent buffers
+        and wrap them. A token id -(j + 1) is a placeholder for pending_tokens[j] (the previous
+        step's sampled ids, on the device), filled in on the device. tables None: the caller
+        put the block tables already (after staging.begin()). verify_rows > 1: a verify step's
+        rows, one sequence each, verify_rows per request (running_bs counts requests)."""
+        rows, nseq = len(rows_ids), len(ctx_lens)
+        self._check_size(rows, nseq)
         staging = self.staging
-        staging.begin()
+        if tables is not None:
+            staging.begin()
+            # Only the real rows' own blocks are written: kernels never read past a context's
+            # blocks, and padded sequences (context 0) read none.
+            staging.put_rows("block_tables", tables)
+        cu_q, max_q = _cumulative(q_lens)
+        cu_k, max_k = _cumulative(ctx_lens)
         input_ids = staging.put("input_ids", rows_ids)
         positions = staging.put("positions", rows_pos)
         slot_mapping = staging.put("slot_mapping", rows_slot)
         context_lens = staging.put("context_lens", ctx_lens)
         cu_seqlens_q = staging.put("cu_seqlens_q", cu_q)
         cu_seqlens_k = staging.put("cu_seqlens_k", cu_k)
-        # Only the real rows' own blocks are written: kernels never read past a context's
-        # blocks, and padded sequences (context 0) read none.
-        staging.put_rows("block_tables", tables)
         staging.flush(gather=("input_ids", pending_tokens) if pending_tokens is not None
                       else None)
         bt = self.forward_vars["block_tables"]
         meta = AttentionMetaData(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx_lens, default=0),
+            max_seqlen_q=max_q, max_seqlen_k=max_k,
             slot_mapping=slot_mapping, context_lens=context_lens, block_tables=bt[:nseq],
             num_seqs=num_seqs, num_rows=num_rows,
             extra={"decode": not is_prefill}, verify_rows=verify_rows,
@@ -218,55 +225,44 @@ class ModelRunner:
         `pending_src`, on the device (its row is staged as the placeholder -(pending_src + 1)).
         verify_rows > 1: a verify step, each sequence one row of a request's verify_rows
         (atom.spec_decode.decoder); padding then adds whole requests.
+        Per-row values are computed with numpy from the batch's columns (batch.rows).
         """
-        seqs, is_prefill = batch.seqs, batch.is_prefill
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
-        pending = 0
-        for seq in seqs:
-            start = seq.start
-            n = len(seq.token_ids)
-            end = start + n
-            ids.extend(seq.token_ids)
-            # Only a sequence's last token can be pending: the host reads a step's tokens
-            # before the step after next is prepared.
-            last_pending = seq.pending_src is not None and n and ids[-1] == PENDING_TOKEN
-            # Any other negative id would be taken for a placeholder: refuse it here.
-            if n and min(ids[len(ids) - n:len(ids) - 1 if last_pending else None],
-                         default=0) < 0:
-                raise ValueError(f"request {seq.request_id!r}: a token of its scheduled range "
-                                 "is still on the device and no sampled row is named for it")
-            if last_pending:
-                ids[-1] = -(seq.pending_src + 1)
-                pending += 1
-            pos.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(n)
-            ctx_lens.append(end)
-            tables.append(table)
-        num_rows, num_seqs = len(ids), len(seqs)
+        r, is_prefill, bs = batch.rows, batch.is_prefill, self.block_size
+        num_seqs, num_rows = len(r.starts), len(r.token_ids)
+        if num_rows <= SMALL_BATCH_ROWS:  # numpy's cost per call outweighs a few rows' loop
+            ids, pos, slots, pending = _rows_by_row(r, bs)
+            q: Any = r.num_tokens
+            ctx: Any = [s + n for s, n in zip(r.starts, r.num_tokens, strict=True)]
+        else:
+            ids, pos, seq_of_row, pending = _rows_by_column(r, bs)
+            q = np.array(r.num_tokens, dtype=np.int64)
+            ctx = np.array(r.starts, dtype=np.int64) + q
         if is_prefill:
             rows = max(num_rows, pad_to_rows or 0)
             nseq = max(num_seqs, pad_to_seqs or 0)
-            q_pad = [0] * (nseq - num_seqs)
+            q_pad = 0
         else:
-            q = max(q_lens, default=1)
-            nseq = max(num_seqs, pad_to_seqs or 0, _cdiv(pad_to_rows or 0, q))
+            q_pad = max(r.num_tokens, default=1)
+            nseq = max(num_seqs, pad_to_seqs or 0, _cdiv(pad_to_rows or 0, q_pad))
             nseq = _cdiv(nseq, verify_rows) * verify_rows
-            rows = max(num_rows, nseq * q)
-            q_pad = [q] * (nseq - num_seqs)
-        pad = rows - num_rows
+            rows = max(num_rows, nseq * q_pad)
         if pending and pending_tokens is None:
             raise ValueError(f"{pending} rows wait for sampled tokens, none given")
-        return self._build(ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad, q_lens + q_pad,
-                           ctx_lens + [0] * (nseq - num_seqs), tables, is_prefill, num_seqs,
-                           num_rows, pending_tokens if pending else None, verify_rows)
+        self._check_size(rows, nseq)
+        self.staging.begin()
+        # Only the real rows' own blocks are written: kernels never read past a context's
+        # blocks, and padded sequences (context 0) read none. The keyed store wants one row
+        # a request: a verify step's rows share theirs, so they are just written.
+        keyed = num_rows > SMALL_BATCH_ROWS and verify_rows == 1
+        self.staging.put_rows("block_tables", r.block_tables,
+                              keys=r.request_ids if keyed else None)
+        if num_rows > SMALL_BATCH_ROWS:  # each row's slot, from its own staged table
+            blocks = pos // bs
+            table = self.staging.host("block_tables")
+            slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
+        return self._build(_padded(ids, rows, 0), _padded(pos, rows, 0), _padded(slots, rows, -1),
+                           _padded(q, nseq, q_pad), _padded(ctx, nseq, 0), None, is_prefill,
+                           num_seqs, num_rows, pending_tokens if pending else None, verify_rows)
 
     def build_dummy_decode(self, num_seqs: int, q_len: int = 1, verify: bool = False
                            ) -> StepInputs:
@@ -338,21 +334,20 @@ class ModelRunner:
     def _logits_indices(batch: StepBatch) -> list[int]:
         """The last row of each sequence whose tokens are all computed after this step (a
         verify step: every row)."""
+        r = batch.rows
         if batch.logits_all:
-            return list(range(batch.num_tokens))
-        idx, row = [], 0
-        for seq in batch.seqs:
-            row += len(seq.token_ids)
-            if seq.samples:
-                idx.append(row - 1)
-        return idx
+            return list(range(len(r.token_ids)))
+        if r.num_tokens.count(1) == len(r.num_tokens) and all(r.samples):
+            return list(range(len(r.num_tokens)))  # a decode step: one row per sequence
+        return [end - 1 for end, samples in zip(accumulate(r.num_tokens), r.samples, strict=True)
+                if samples]
 
     def logits_rows(self, idx: list[int]) -> torch.Tensor | int:
         """run_model's logits_indices for these rows: a count when they are the first rows in
         order (every decode step: no index copy, no gather), else the indices on the device."""
         if idx == list(range(len(idx))):
             return len(idx)
-        return torch.tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.array(idx, dtype=np.int64)).to(self.device, non_blocking=True)
 
     def prepare_step(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
                      spec: SpecDecodeMetadata | None = None) -> StepInputs:
@@ -362,8 +357,11 @@ class ModelRunner:
         verify_rows = spec.rows_per_request if spec is not None and not batch.is_prefill else 1
         pad_rows = pad_seqs = None
         if self.graph_runner is not None:
-            pad_rows, pad_seqs = self.graph_runner.pad_sizes(self, batch.seqs, batch.is_prefill,
-                                                             verify_rows)
+            # GraphRunner.pad_sizes' answer, from the batch's columns (no object per sequence)
+            r = batch.rows
+            q_len = 1 if batch.is_prefill else max(r.num_tokens, default=1)
+            pad_rows, pad_seqs = self.graph_runner.padding(
+                batch.is_prefill, len(r.starts), len(r.token_ids), q_len, verify_rows)
         return self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens, verify_rows)
 
     @torch.inference_mode()
@@ -420,3 +418,92 @@ class ModelRunner:
         if self.graph_runner is not None:
             return self.graph_runner.capture(self)
         return 0.0, []
+
+
+def _cumulative(values: Any) -> tuple[Any, int]:
+    """[0, v0, v0 + v1, ...] (a list or an array, as values) and the largest value (or 0)."""
+    if isinstance(values, np.ndarray):
+        cu = np.zeros(len(values) + 1, dtype=np.int64)
+        np.add.accumulate(values, out=cu[1:])
+        return cu, int(np.maximum.reduce(values)) if len(values) else 0
+    return [0, *accumulate(values)], max(values, default=0)
+
+
+def _padded(values: Any, n: int, fill: int) -> Any:
+    """A list or array extended with fill up to n values."""
+    if len(values) >= n:
+        return values
+    if isinstance(values, list):
+        return values + [fill] * (n - len(values))
+    return np.concatenate((values, np.full(n - len(values), fill, dtype=values.dtype)))
+
+
+def _short_table(rows: StepRows, i: int, position: int) -> IndexError:
+    return IndexError(f"request {rows.request_ids[i]!r}: its block table holds "
+                      f"{len(rows.block_tables[i])} blocks, a row has position {position}")
+
+
+def _stray_token(rows: StepRows, i: int) -> ValueError:
+    return ValueError(f"request {rows.request_ids[i]!r}: a token of its scheduled range is still "
+                      "on the device and no sampled row is named for it")
+
+
+def _rows_by_row(r: StepRows, bs: int) -> tuple[list[int], list[int], list[int], int]:
+    """A small step's token ids (its pending last tokens staged as -(pending_src + 1)),
+    positions and slots, and how many are pending. Only a sequence's last token can be
+    pending (the host reads a step's tokens before the step after next is prepared); any
+    other negative id would be taken for a placeholder, so it is refused."""
+    ids, pos, slots = list(r.token_ids), [], []
+    pending = row = 0
+    for i, n in enumerate(r.num_tokens):
+        start, table, src = r.starts[i], r.block_tables[i], r.pending_src[i]
+        row += n
+        last_pending = src is not None and n and ids[row - 1] == PENDING_TOKEN
+        if n and min(ids[row - n:row - 1 if last_pending else row], default=0) < 0:
+            raise _stray_token(r, i)
+        if last_pending:
+            ids[row - 1] = -(src + 1)
+            pending += 1
+        if n and (start + n - 1) // bs >= len(table):
+            raise _short_table(r, i, start + n - 1)
+        pos.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+    return ids, pos, slots, pending
+
+
+def _rows_by_column(r: StepRows, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """_rows_by_row's token ids, positions and pending count with numpy, and each row's
+    sequence (the slots are read from the staged block tables)."""
+    num_seqs, num_rows = len(r.starts), len(r.token_ids)
+    q = np.array(r.num_tokens, dtype=np.int64)
+    starts = np.array(r.starts, dtype=np.int64)
+    ids = np.array(r.token_ids, dtype=np.int64)
+    one_row = num_rows == num_seqs and r.num_tokens.count(1) == num_seqs
+    if one_row:
+        seq_of_row, pos = np.arange(num_seqs), starts  # one row per sequence (decode)
+    else:
+        seq_of_row = np.repeat(np.arange(num_seqs), q)
+        first = np.add.accumulate(q) - q  # each sequence's first row
+        pos = starts[seq_of_row] + (np.arange(num_rows) - first[seq_of_row])
+    pending = 0
+    if num_rows and min(r.token_ids) < 0:
+        src = np.array([-1 if p is None else p for p in r.pending_src], dtype=np.int64)
+        if one_row:  # row i is sequence i's last
+            last = seqs = ((src >= 0) & (ids == PENDING_TOKEN)).nonzero()[0]
+        else:
+            seqs = ((src >= 0) & (q > 0)).nonzero()[0]
+            last = np.add.accumulate(q)[seqs] - 1
+            hit = ids[last] == PENDING_TOKEN
+            seqs, last = seqs[hit], last[hit]
+        stray = ids < 0
+        if np.count_nonzero(stray) != len(last):
+            stray[last] = False
+            raise _stray_token(r, int(seq_of_row[int(np.argmax(stray))]))
+        ids[last] = -(src[seqs] + 1)
+        pending = len(last)
+    lens = np.fromiter(map(len, r.block_tables), dtype=np.int64, count=num_seqs)
+    short = pos // bs >= (lens if one_row else lens[seq_of_row])
+    if np.count_nonzero(short):
+        row = int(np.argmax(short))
+        raise _short_table(r, int(seq_of_row[row]), int(pos[row]))
+    return ids, pos, seq_of_row, pending

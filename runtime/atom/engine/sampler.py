@@ -66,7 +66,7 @@ class Sampler:
         n = len(seqs)
         logits = logits[:n]
         params = [s.params for s in seqs]
-        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sample_rows = [i for i, p in enumerate(params) if p.temperature != 0]  # not p.greedy
         # An all-greedy step's argmax writes the host copy itself (no copy kernel after it).
         tokens = _argmax(logits, None if sample_rows else host_tokens)
         if sample_rows:
@@ -90,7 +90,7 @@ class Sampler:
                 from atom.kernels.triton_copy import copy_to_host
 
                 copy_to_host(tokens, host_tokens)
-        if not any(p.logprobs for p in params):
+        if not any([p.logprobs for p in params]):
             return tokens, None
         lp = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None])
         return tokens, lp.squeeze(-1)

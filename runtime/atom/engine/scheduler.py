@@ -31,7 +31,7 @@ class SchedulerOutput:
     @property
     def is_prefill(self) -> bool:
         """A pure decode step has one new row per sequence; anything else is prefill/mixed."""
-        return any(s.num_scheduled_tokens != 1 for s in self.seqs)
+        return [s.num_scheduled_tokens for s in self.seqs].count(1) != len(self.seqs)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -75,25 +75,30 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
 
         # Running sequences first, in arrival order: decodes and unfinished prefill chunks.
+        running, scheduled, block_size = self.running, out.seqs, self.bm.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
             target = seq.num_computed_tokens + n
-            while not self.bm.can_grow(seq, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # seq preempted itself: everything after it is gone too
-            self.bm.grow(seq, target)
+            # Most steps need no new block: then there is nothing to grow or preempt for.
+            if target > len(seq.block_table) * block_size:
+                while not self.bm.can_grow(seq, target):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    break  # seq preempted itself: everything after it is gone too
+                self.bm.grow(seq, target)
             seq.num_scheduled_tokens = n
-            out.seqs.append(seq)
+            scheduled.append(seq)
             budget -= n
             i += 1
 
@@ -132,9 +137,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_scheduled_tokens = 0
-        if seq in self.running:
+        try:
             self.running.remove(seq)
-        else:
+        except ValueError:
             try:
                 self.waiting.remove(seq)
             except ValueError:
