@@ -4,8 +4,9 @@ within 2%, at 0% hit rate"), measured in one engine, on and off interleaved.
 The served comparison in prefix_bench.py runs two servers one after the other, so host noise
 between them (the engine core is host-bound under load) swamps a 2% effect. Here one
 `LLMEngine` runs batches of fresh random prompts (no shared block, so every lookup misses) with
-`BlockManager.enable_prefix_caching` switched between rounds while the engine is idle: the same
-process, the same graphs, the same KV cache, alternating on / off --rounds times. Reported: the
+`BlockManager.enable_prefix_caching` switched between rounds while the engine is idle (level 3,
+TR_HYBRID, as served): the same process, the same graphs, the same KV cache, alternating on /
+off --rounds times. Reported: the
 median over rounds of the decode step (wall of the batch's steps after its prefill, over the
 decode steps), per setting, and their ratio.
 

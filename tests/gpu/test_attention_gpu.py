@@ -77,7 +77,9 @@ def test_prefill_split_kv(heads: int, kv_heads: int, dim: int, layout: int,
     scale = dim ** -0.5
     ref, kc, vc = _ref(b, heads, scale)
     max_k = max(ctx_lens)
-    if num_splits is None:
+    if num_splits is None and dtype == torch.bfloat16:
+        # fp32 packs fewer rows a program, so these layouts already fill the GPU: the launcher
+        # keeps one split there (measured on the H200), and the explicit counts cover fp32.
         assert split_kv.prefill_num_splits(b.num_seqs + 2, b.max_seqlen_q, max_k, heads,
                                            kv_heads, dim, dtype) > 1
 

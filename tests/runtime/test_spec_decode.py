@@ -402,6 +402,8 @@ def test_emulated_verify_and_draft_graphs_replay(ref: LLMEngine, mode: CUDAGraph
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="H200 2026-12-02: tiny-llama bf16 verify rows differ "
+                   "from decode rows, so greedy tokens and acceptance differ (issue 30)")
 @pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
 def test_gpu_verify_and_draft_graphs(mode: str) -> None:
     """On CUDA: the capture ladder records (bs, k) buckets, the draft's DraftGraphs replay,

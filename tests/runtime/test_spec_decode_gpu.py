@@ -76,7 +76,17 @@ def _sequences(e: LLMEngine, prompts: list[list[int]]) -> list[Sequence]:
     return seqs
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "llama-3.2-1b"])
+# Measured on the H200 on 2026-12-02 (commit 8d44b49): llama-3.2-1b's verify rows equal its
+# decode rows bit for bit in every mode; tiny-llama's do not (its shapes take other kernel
+# plans), and at level 3 the self-draft does not accept every draft. Open in issue 30; strict,
+# so a fix shows up as an XPASS failure and the marks come off.
+KNOWN_BF16_GAP = pytest.mark.xfail(
+    strict=True, reason="H200 2026-12-02: bf16 verify rows differ from decode rows (issue 30)"
+)
+
+
+@pytest.mark.parametrize("model", [pytest.param("tiny-llama", marks=KNOWN_BF16_GAP),
+                                   "llama-3.2-1b"])
 @pytest.mark.parametrize("mode", ["NONE", "FULL", "TR_HYBRID"])
 def test_verify_rows_equal_decode_rows_bit_for_bit(model: str, mode: str) -> None:
     plain, spec = _engine(model, mode, None), _engine(model, mode, NGRAM)
@@ -107,6 +117,7 @@ def test_verify_rows_equal_decode_rows_bit_for_bit(model: str, mode: str) -> Non
     assert not diffs, f"(batch, request, row, max |diff|) not bitwise equal: {diffs}"
 
 
+@KNOWN_BF16_GAP
 @pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
 def test_self_draft_accepts_everything_in_bf16(mode: str) -> None:
     """The target as its own draft, bf16, level 3: every draft accepted, the greedy tokens
