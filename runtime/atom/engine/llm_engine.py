@@ -349,11 +349,10 @@ class LLMEngine:
         host_tokens = self._copier.next_tokens(len(to_sample))
         tokens, logprobs = self.sampler.sample(logits, to_sample, host_tokens)
         slots: list[int | None] = []
-        max_model_len = self.config.max_model_len
         for i, seq in enumerate(to_sample):
             n = len(seq.token_ids)  # this step's token is the (n + 1)-th
-            if n + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or n + 1 >= max_model_len:
-                slots.append(None)  # its last token (_ends_by_length): not scheduled again
+            if self._ends_by_length(seq, n + 1):
+                slots.append(None)  # its last token: not scheduled again
             else:
                 slots.append(n)
                 seq.token_ids.append(PENDING_TOKEN)
@@ -362,13 +361,11 @@ class LLMEngine:
         return LaunchedStep(to_sample, slots, tokens, copy)
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Put a launched step's tokens in their sequences; finish those they end. The
-        per-sequence work of _stop_reason and _output, inline (it runs for every row)."""
+        """Put a launched step's tokens in their sequences; finish those they end."""
         tokens, lps = step.copy.result()
         if lps is None:
             lps = [None] * len(tokens)
         outputs = []
-        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for seq, slot, tok, lp in zip(step.seqs, step.slots, tokens, lps, strict=True):
             if seq.status is FINISHED:
                 continue  # aborted, or stopped by a token read after this step was launched
@@ -383,22 +380,14 @@ class LLMEngine:
             elif lp is not None:
                 seq.output_logprobs.append(lp)
             n = slot + 1
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
-                reason: str | None = "stop"
-            elif n - seq.num_prompt_tokens >= p.max_tokens or n >= max_model_len:
-                reason = "length"
-            else:
-                reason = None
+            reason = self._stop_reason(seq, tok, n)
             if reason is not None:
                 _drop_pending(seq, n)
                 if seq.hold_kv:
                     self._hold_prompt_blocks(seq)
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            new_lps = ([lp] if lp is not None else []) if p.logprobs else None
-            outputs.append(RequestOutput(
-                seq.request_id, [tok], new_lps, reason is not None, seq.finish_reason,
-                seq.num_prompt_tokens, n - seq.num_prompt_tokens, seq.num_cached_tokens or 0))
+            outputs.append(self._output(seq, [tok], [lp], n))
         return outputs
 
     # ---- disaggregation ------------------------------------------------------------------------
