@@ -57,9 +57,8 @@ def waves(max_num_seqs: int, max_len: int) -> Iterator[Wave]:
     def cap(n: int) -> int:
         return max(1, min(n, max_len))
 
-    for m in sampled_row_counts(
-        max_num_seqs
-    ):  # the prefill step samples m rows: compute_logits at m
+    # The prefill step samples m rows: compute_logits at m.
+    for m in sampled_row_counts(max_num_seqs):
         yield Wave((cap(8),) * m)
     for q in (24, 100):  # BLOCK_M 32 and 64
         yield Wave((cap(q),))
@@ -108,7 +107,8 @@ def warm_eager_paths(engine: LLMEngine, *, force: bool = False) -> float:
                 for rid in ids:
                     engine.abort_request(rid)
                 pending.clear()
-    while engine.has_unfinished_requests():
+                break
+    while engine.has_unfinished_requests():  # the last wave's tail, or the aborts' outputs
         engine.step()
     bm.reset_prefix_cache()
     return time.perf_counter() - t0
