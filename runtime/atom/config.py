@@ -280,6 +280,8 @@ class Config:
     device: str | None = None  # default: "cuda" if available else "cpu"
     # Speculative decoding (atom.spec_decode): None = off; a dict is parsed (--speculative-config).
     speculative_config: SpeculativeConfig | None = None
+    # Tensor parallelism (atom.distributed): ranks of one host; enters the compile-cache key.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.compilation_config, dict):
@@ -330,6 +332,7 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         positive("max_num_seqs")
+        positive("tensor_parallel_size")
         positive("block_size")
         positive("max_model_len", allow_none=True)
         positive("max_num_batched_tokens", allow_none=True)

@@ -291,6 +291,15 @@ def test_api_server_death_takes_the_core_with_it() -> None:
         proc.stop()
 
 
+async def _until_received(url: str, n: int) -> None:
+    """Waits until the server has counted n generation requests (each is admitted or refused)."""
+    deadline = time.monotonic() + 30
+    while total(await asyncio.to_thread(samples, url), "atom_requests_received_total") < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not count {n} requests within 30 s")
+        await asyncio.sleep(0.01)
+
+
 def test_sigterm_drains_once_and_cuts_what_runs_past_the_grace() -> None:
     proc = start_server("--drain-seconds", "2")
     try:
@@ -318,7 +327,7 @@ def test_sigterm_drains_once_and_cuts_what_runs_past_the_grace() -> None:
                         json={"model": MODEL, "prompt": "s", "max_tokens": 20, "ignore_eos": True},
                     )
                 )
-                await asyncio.sleep(0.05)
+                await _until_received(proc.url, 2)  # SIGTERM after the short one is admitted, not before
                 t0 = time.monotonic()
                 proc.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)

@@ -12,6 +12,7 @@ ROLES = ("unified", "prefill", "decode")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 DEVICES = ("cpu", "cuda")
+KV_TRANSPORTS = ("auto", "cuda-ipc", "nccl", "tcp")
 
 
 def _json_object(text: str, flag: str = "--compilation-config") -> dict:
@@ -94,6 +95,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-hold-seconds", type=_positive_float, default=30.0, help="prefill: free blocks not pulled within this time")
     parser.add_argument("--max-held-kv-fraction", type=_fraction, default=0.5, help="prefill: cap on KV blocks held for pulls, as a fraction of the pool; beyond it prefills get 503 kv_hold_cap")
     parser.add_argument("--kv-pull-timeout", type=_positive_float, default=30.0, help="decode: bound on one pull attempt (a broken pull is retried once)")
+    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="auto", help="P/D KV transfer path, negotiated in the handshake (auto: the fastest both sides support)")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="one worker process per GPU (gloo on the CPU); must divide the heads, KV heads and vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=DEVICES, default=None, help="where the engine runs (default: cuda when available, else cpu)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)

@@ -48,6 +48,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seed=args.seed,
         role=args.role,
         device=getattr(args, "device", None),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=(SpeculativeConfig.from_dict(args.speculative_config)
                             if getattr(args, "speculative_config", None) else None),
     )
