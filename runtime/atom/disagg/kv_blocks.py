@@ -52,11 +52,19 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """Blocks `block_ids` as one contiguous host tensor `[n, 2, layers, block, heads, dim]`."""
+    return gather_blocks_on(kv_cache, block_ids, kv_cache.device).cpu()
+
+
+def gather_blocks_on(
+    kv_cache: torch.Tensor, block_ids: list[int], device: torch.device | str
+) -> torch.Tensor:
+    """The same blocks in a contiguous tensor on `device` (GPU -> GPU transports: the copy may
+    read another GPU's cache, mapped into this process)."""
     shape = (len(block_ids), *kv_cache.shape[:2], *kv_cache.shape[3:])
-    out = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    out = torch.empty(shape, dtype=kv_cache.dtype, device=device)
     for j, a, b in _runs(block_ids):
         out[j : j + b - a].copy_(kv_cache[:, :, a:b].permute(2, 0, 1, 3, 4, 5))
-    return out.cpu()
+    return out
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
@@ -73,11 +81,11 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.T
         kv_cache[:, :, a:b].copy_(src[j : j + b - a].permute(1, 2, 0, 3, 4, 5))
 
 
-def new_staging(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """Host tensor that received blocks are written into, block-major."""
+def new_staging(layout: KVLayout, num_blocks: int, device: str = "cpu") -> torch.Tensor:
+    """Tensor that received blocks are written into, block-major (host for TCP)."""
     shape = (num_blocks, 2, layout.num_layers, layout.block_size, layout.num_kv_heads,
              layout.head_dim)  # fmt: skip
-    return torch.empty(shape, dtype=getattr(torch, layout.dtype))
+    return torch.empty(shape, dtype=getattr(torch, layout.dtype), device=device)
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

@@ -1,12 +1,15 @@
 """Prometheus metrics of KV transfers, registered into a server's registry.
 
 `direction` is "sent" on the prefill instance and "received" on the decode instance.
+`atom_kv_transport_transfers{direction, transport, outcome}` counts transfers by the transport
+they used: ok, fallback (this fast transport was refused or failed; TCP carried the blocks),
+failed, refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,8 +57,34 @@ class KVMetrics:
             ["direction", "outcome"],
             registry=registry,
         )
+        self.by_transport = Counter(
+            "atom_kv_transport_transfers",
+            "KV transfers by transport and outcome (ok, fallback, failed, refused)",
+            ["direction", "transport", "outcome"],
+            registry=registry,
+        )
+        self.transport_seconds = Histogram(
+            "atom_kv_transport_seconds",
+            "Duration of one KV transfer by the transport that carried it",
+            ["direction", "transport"],
+            buckets=TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self._handles: Callable[[], Mapping[str, Any]] | None = None
         if holds is not None:
             registry.register(_HoldCollector(holds))
+        registry.register(_HandleCollector(lambda: self._handles() if self._handles else {}))
+
+    def watch_handles(self, handles: Callable[[], Mapping[str, Any]]) -> None:
+        """handles: transport name -> its HandleCounters (read at scrape time)."""
+        self._handles = handles
+
+    def transport_outcome(
+        self, direction: str, transport: str, outcome: str, seconds: float | None = None
+    ) -> None:
+        self.by_transport.labels(direction, transport, outcome).inc()
+        if seconds is not None:
+            self.transport_seconds.labels(direction, transport).observe(seconds)
 
     def observe(self, direction: str, nbytes: int, nblocks: int, seconds: float) -> None:
         self.bytes.labels(direction).inc(nbytes)
@@ -82,3 +111,39 @@ class _HoldCollector(Collector):
         yield CounterMetricFamily(
             "atom_kv_holds_expired", "Holds freed because nobody pulled them in time", value=expired
         )
+
+
+@runtime_checkable
+class TransportMetrics(Protocol):
+    def transport_outcome(
+        self, direction: str, transport: str, outcome: str, seconds: float | None = None
+    ) -> None: ...
+
+
+def count_transport(
+    metrics: Any, direction: str, transport: str, outcome: str, seconds: float | None = None
+) -> None:
+    """Record on metrics that count transports (KVMetrics); others (tests' fakes) skip it."""
+    if isinstance(metrics, TransportMetrics):
+        metrics.transport_outcome(direction, transport, outcome, seconds)
+
+
+class _HandleCollector(Collector):
+    """Fast-transport handles (IPC mappings, NCCL groups) open now, and ever opened."""
+
+    def __init__(self, handles: Callable[[], Mapping[str, Any]]) -> None:
+        self._handles = handles
+
+    def collect(self) -> Iterator[Any]:
+        open_now = GaugeMetricFamily(
+            "atom_kv_transport_handles_open", "Fast KV transport handles open", labels=["transport"]
+        )
+        opened = CounterMetricFamily(
+            "atom_kv_transport_handles_opened", "Fast KV transport handles opened",
+            labels=["transport"],
+        )  # fmt: skip
+        for name, counters in self._handles().items():
+            open_now.add_metric([name], counters.open)
+            opened.add_metric([name], counters.opened)
+        yield open_now
+        yield opened

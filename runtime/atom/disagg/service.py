@@ -17,7 +17,9 @@ from atom.disagg.handle import KVHandle
 from atom.disagg.holds import HoldCap, Reservation
 from atom.disagg.kv_blocks import engine_layout
 from atom.disagg.layout import KVLayout
+from atom.disagg.registry import TransportSet, build_transports
 from atom.disagg.server import KVServer, KVSource
+from atom.disagg.transport import TransportMode
 from atom.wire.kv_modes import DEFAULT_KV_PORT
 from atom.wire.trust import TransferKeys
 
@@ -34,22 +36,37 @@ class KVService:
     hold_seconds: float = 30.0
     pull_timeout: float = 30.0
     max_held_fraction: float = 0.5  # --max-held-kv-fraction
+    transport: str = "auto"  # --kv-transport
     metrics: Any = None  # atom.disagg.metrics.KVMetrics
     layout: KVLayout | None = None
     engine: Any = None
     server: KVServer | None = None
     bound_port: int = 0
     keys: TransferKeys = field(default_factory=TransferKeys)
+    transports: TransportSet | None = None  # built at attach, from the engine's cache device
     cap: HoldCap = field(init=False)
+    mode: TransportMode = field(init=False)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.cap = HoldCap(self.max_held_fraction)
+        self.mode = TransportMode.parse(self.transport)  # ValueError before anything starts
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
         """Engine thread, right after the engine is built."""
         engine.kv_holds.hold_seconds = self.hold_seconds
+        transports = build_transports(self.mode, engine.runner.kv_cache, self.host)
+        transports.check_start()  # a forced transport this instance cannot use fails start-up
+        self.transports = transports
+        if self.metrics is not None:
+            self.metrics.watch_handles(
+                lambda: {str(t.name): t.counters for t in transports.fast.values()}
+            )
+        logger.info(
+            "KV transports: --kv-transport %s; usable here: %s", self.mode,
+            ", ".join(transports.offer().accept),
+        )  # fmt: skip
         self.layout = engine_layout(engine)
         self.engine = engine
 
@@ -69,12 +86,18 @@ class KVService:
             task.cancel()
         if self.server is not None:
             await self.server.close()
+        if self.transports is not None:
+            self.transports.close()  # IPC mappings and NCCL groups: counters balance
 
     def _source(self) -> KVSource | None:
         if self.engine is None or self.layout is None:
             return None
         return KVSource(
-            self.layout, self.engine.kv_holds, self.engine.runner.kv_cache, keys=self.keys
+            self.layout,
+            self.engine.kv_holds,
+            self.engine.runner.kv_cache,
+            keys=self.keys,
+            transports=self.transports,
         )
 
     def reserve(self, num_tokens: int) -> Reservation:
@@ -99,7 +122,13 @@ class KVService:
     # ---- decode side ----------------------------------------------------------------------------
     async def pull(self, handle: KVHandle) -> PulledKV:
         assert self.layout is not None
-        return await pull_kv(handle, self.layout, timeout=self.pull_timeout, metrics=self.metrics)
+        return await pull_kv(
+            handle,
+            self.layout,
+            timeout=self.pull_timeout,
+            metrics=self.metrics,
+            transports=self.transports,
+        )
 
     def release_soon(self, handle: KVHandle) -> None:
         """Free a handle's blocks on its prefill instance without waiting (best effort)."""

@@ -12,8 +12,15 @@ instances of different versions can always tell each other so.
     decode -> prefill   ACK     {}                        (all bytes received)
     prefill -> decode   DONE    {}                        (blocks freed on the prefill side)
 
+Handshake 2 (negotiate.py; the frame version stays 1, so either side may be older): the PULL
+may carry {"transport": {"handshake": 2, "accept": [names], "peer": PeerFacts}}, and the OK
+then names {"transport": name, "refused": {faster name: why}, "offer": {...}} (a prefill of
+handshake 1 sends neither: TCP). With a fast transport no raw bytes follow the OK: the decode
+imports the offer, then sends ACK, or FALLBACK {"reason"} to have the same blocks sent over
+TCP on this connection (a second OK with "transport": "tcp", then the bytes, ACK, DONE).
+
 Errors answer the first frame instead of OK: {"message": ...} with kind UNKNOWN_HANDLE, MISMATCH,
-BAD_REQUEST, NOT_READY or BAD_VERSION. A wrong `secret` is answered UNKNOWN_HANDLE, as an
+BAD_REQUEST, NOT_READY, BAD_VERSION or TRANSPORT_REFUSED (no transport both sides may use). A wrong `secret` is answered UNKNOWN_HANDLE, as an
 unknown handle is (nothing tells a guesser which handles exist). The prefill instance checks the decode's layout (and the
 decode checks the prefill's) before any block is read or written.
 """
@@ -32,16 +39,18 @@ _HEADER = struct.Struct("!4sHHI")
 MAX_JSON_BYTES = 1 << 20
 
 # requests
-PULL, RELEASE, ACK = 1, 2, 3
+PULL, RELEASE, ACK, FALLBACK = 1, 2, 3, 5
 # answers
 OK, DONE = 0, 4
 UNKNOWN_HANDLE, MISMATCH, BAD_REQUEST, NOT_READY, BAD_VERSION = 10, 11, 12, 13, 14
+TRANSPORT_REFUSED = 15
 ERROR_NAMES = {
     UNKNOWN_HANDLE: "unknown_handle",
     MISMATCH: "mismatch",
     BAD_REQUEST: "bad_request",
     NOT_READY: "not_ready",
     BAD_VERSION: "bad_version",
+    TRANSPORT_REFUSED: "transport_refused",
 }
 
 

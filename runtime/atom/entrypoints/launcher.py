@@ -39,6 +39,7 @@ def kv_settings(args: Any) -> KVSettings:
         hold_seconds=args.kv_hold_seconds,
         pull_timeout=args.kv_pull_timeout,
         max_held_fraction=args.max_held_kv_fraction,
+        transport=args.kv_transport,  # negotiated per pull (atom.disagg.negotiate)
     )
 
 

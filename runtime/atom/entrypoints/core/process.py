@@ -55,6 +55,7 @@ class KVSettings:
     hold_seconds: float = 30.0
     pull_timeout: float = 30.0
     max_held_fraction: float = 0.5  # --max-held-kv-fraction
+    transport: str = "auto"  # --kv-transport (atom.disagg.transport.TransportMode)
 
     def service(self) -> Any:
         from atom.disagg.service import KVService
