@@ -224,6 +224,8 @@ def _chosen(
     refused = head.get("refused")
     if offer is not None and name != offer.accept[0]:
         why = refused.get(offer.accept[0]) if isinstance(refused, dict) else None
+        if "transport" not in head:
+            why = "the prefill instance predates KV transports (handshake 1)"
         report.fallback_from = offer.accept[0]
         report.fallback_reason = str(why or "not chosen by the prefill instance")[:300]
     return name
