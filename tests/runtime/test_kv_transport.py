@@ -228,6 +228,12 @@ def test_a_forced_transport_this_instance_cannot_use_fails_at_start() -> None:
         KVService(transport="cuda-ipc").attach(engine)
     with pytest.raises(ValueError, match="not one of"):
         KVService(transport="rdma")
+    # a pull under that mode is refused before it dials (port 1 has nobody listening)
+    layout = KVLayout("id", "m", "float32", 4, 3, 2, 8)
+    with pytest.raises(KVTransferError, match="cuda-ipc is not usable on this decode") as err:
+        asyncio.run(pull_kv(handle_for("h", layout, 1, 4), layout,
+                            transports=transports("cuda-ipc", cpu)))  # fmt: skip
+    assert err.value.code == "kv_transfer_failed" and "not built" in err.value.message
 
 
 def test_launcher_renders_the_flag_into_the_kv_service() -> None:

@@ -148,11 +148,13 @@ async def _pull_once(
     report: TransferReport,
 ) -> torch.Tensor:
     offer = transports.offer(frozenset(skip)) if transports is not None else None
-    if offer is not None and not offer.accept:
+    if offer is not None and not offer.accept:  # a forced transport this instance lacks
+        assert transports is not None and transports.mode.forced is not None
+        why = transports.why_unavailable(transports.mode.forced)
         raise KVTransferError(
-            f"no KV transport left to pull from {handle.address}: {', '.join(sorted(skip))} "
-            f"failed and --kv-transport {transports.mode if transports else 'auto'} allows no other"
-        )  # fmt: skip
+            f"cannot pull from {handle.address}: --kv-transport {transports.mode} is not usable "
+            f"on this decode instance ({why})"
+        )
     report.transport = offer.accept[0] if offer is not None else TransportName.TCP
     conn = await wire.SocketConn.open(handle.kv_host or "", handle.kv_port, io_timeout)
     try:

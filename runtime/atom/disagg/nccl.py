@@ -94,15 +94,16 @@ class NcclTransport:
         group = self._serving[key]
 
         def run() -> None:
-            buf = gather_blocks_on(kv_cache, block_ids, kv_cache.device)
-            group.pg.send([buf], 1, 0).wait()
-            torch.cuda.synchronize(kv_cache.device)
+            try:
+                buf = gather_blocks_on(kv_cache, block_ids, kv_cache.device)
+                group.pg.send([buf], 1, 0).wait()
+                torch.cuda.synchronize(kv_cache.device)
+            except (RuntimeError, ValueError) as exc:
+                # Closed here, in the thread: the awaiting server may have moved on (FALLBACK).
+                self._close(self._serving, key)
+                raise TransportFailure(self.name, f"NCCL send failed: {exc}") from None
 
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, run)
-        except (RuntimeError, ValueError) as exc:
-            self._close(self._serving, key)
-            raise TransportFailure(self.name, f"NCCL send failed: {exc}") from None
+        await asyncio.get_running_loop().run_in_executor(None, run)
 
     # ---- decode (rank 1) ----------------------------------------------------------------------
     async def receive(self, offer: dict[str, Any], ctx: ReceiveContext) -> Any:

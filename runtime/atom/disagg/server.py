@@ -238,6 +238,9 @@ class KVServer:
                 return why
             raise wire.WireError(f"expected ACK or FALLBACK, got frame kind {kind}")
         finally:
+            if not sending.done():  # never free the blocks while a send may still read them
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(sending), self.io_timeout)
             if not sending.done():
                 sending.cancel()
             elif not sending.cancelled() and sending.exception() is not None:
