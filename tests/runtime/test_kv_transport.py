@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import types
 from collections.abc import AsyncIterator
 from typing import Any
@@ -490,4 +489,4 @@ def test_cuda_ipc_between_two_processes() -> None:
         assert ipc.counters.opened == 1 and ipc.counters.open == 0
     finally:
         proc.join(30)
-        assert proc.exitcode == 0, os.strerror(proc.exitcode or 0)
+        assert proc.exitcode == 0, f"the prefill process exited with {proc.exitcode}"

@@ -177,9 +177,10 @@ class KVServer:
             if why is None:
                 self._observe(src, hold, name, "ok", t0)
                 return True
-            count_transport(self.metrics, "sent", str(name), "fallback")
             if TransportName.TCP not in offer.accept:  # forced on the decode: it gave up
+                count_transport(self.metrics, "sent", str(name), "failed")
                 return False
+            count_transport(self.metrics, "sent", str(name), "fallback")
             decision = Decision(TransportName.TCP, {**decision.refused, name: why})
         await self._send_tcp(src, hold, self._header(src, hold, decision), reader, writer)
         self._observe(src, hold, TransportName.TCP, "ok", t0)
