@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from atom.disagg import wire
 from atom.disagg.client import KVTransferError, pull_kv, release_kv
+from atom.disagg.cuda_ipc import CacheExport, PeerMappings
 from atom.disagg.handle import KVHandle
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import gather_blocks, layout_of_cache
@@ -246,6 +247,33 @@ def test_launcher_renders_the_flag_into_the_kv_service() -> None:
     assert settings.service().mode == TransportMode(NCCL)
     default = kv_settings(build_parser().parse_args(serve))
     assert default.service().mode.auto
+
+
+def export_named(handle: str) -> CacheExport:
+    return CacheExport("GPU-a", handle, 1 << 20, 0, None, 0, None, False, SHAPE, (1,) * 6, 0,
+                       "float32")  # fmt: skip
+
+
+def test_cuda_ipc_opens_each_export_once_and_closes_every_mapping() -> None:
+    """The real transport's bookkeeping (the CUDA open is the injected `opener`)."""
+    opened: list[str] = []
+    maps = PeerMappings(lambda e: opened.append(e.key) or torch.zeros(1), max_peers=2)
+    a1, a2, b, c = (export_named(h) for h in ("a1", "a2", "b", "c"))
+    first = maps.get("10.0.0.1:8001", a1)
+    assert maps.get("10.0.0.1:8001", a1) is first  # reused for that peer's later pulls
+    maps.get("10.0.0.1:8001", a2)  # the prefill at that address restarted: a1 is closed
+    assert (maps.counters.opened, maps.counters.closed) == (2, 1)
+    maps.get("10.0.0.2:8001", b)
+    maps.get("10.0.0.3:8001", c)  # past max_peers: the least recently used (a2) goes
+    assert (maps.counters.opened, maps.counters.closed) == (4, 2)
+    maps.drop(b.key)  # a copy from it failed
+    maps.get("10.0.0.2:8001", b)  # opened anew
+    assert opened == [a1.key, a2.key, b.key, c.key, b.key]
+    maps.close()
+    assert maps.counters.open == 0 and maps.counters.opened == 5
+    assert CacheExport.from_dict(a1.to_dict()) == a1
+    with pytest.raises(ValueError, match="malformed"):
+        CacheExport.from_dict({"handle": "x"})
 
 
 # ---- transfers over the control connection ---------------------------------------------------------

@@ -247,7 +247,7 @@ async def _receive_fast(
 ) -> torch.Tensor | None:
     """The blocks over the fast transport; None once the prefill was asked to send them over TCP
     instead (the TCP OK header is read and checked here). TransportFailure when forced."""
-    ctx = ReceiveContext(layout, num_blocks, handle.kv_host or "")
+    ctx = ReceiveContext(layout, num_blocks, handle.kv_host or "", handle.address)
     offered = head.get("offer")
     try:
         if not isinstance(offered, dict):

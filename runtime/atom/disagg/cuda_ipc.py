@@ -18,6 +18,8 @@ import asyncio
 import base64
 import collections
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,15 +115,61 @@ def open_export(export: CacheExport, device_index: int) -> torch.Tensor:
     return t.set_(storage, export.tensor_offset, export.shape, export.stride)
 
 
+class PeerMappings:
+    """The decode side's open mappings, one per prefill export (pure bookkeeping: `opener`
+    does the CUDA part). Reused while a peer's export stays the same; closed when the peer at
+    that address offers another export (it restarted), when `drop`ped after a failed copy,
+    past `max_peers` (least recently used first), and at `close`."""
+
+    def __init__(self, opener: Callable[[CacheExport], Any], max_peers: int = MAX_PEERS) -> None:
+        self._opener, self.max_peers = opener, max_peers
+        self.counters = HandleCounters()
+        self._open: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._by_peer: dict[str, str] = {}  # prefill KV address -> its export's key
+        self._lock = threading.Lock()  # pulls copy on executor threads, several at a time
+
+    def get(self, address: str, export: CacheExport) -> Any:
+        """The mapped cache; the caller's reference keeps it valid through a concurrent close."""
+        with self._lock:
+            old = self._by_peer.get(address)
+            self._by_peer[address] = export.key
+            if old is not None and old != export.key and old not in self._by_peer.values():
+                self._close_locked(old)
+            mapped = self._open.get(export.key)
+            if mapped is not None:
+                self._open.move_to_end(export.key)
+                return mapped
+            mapped = self._opener(export)
+            self._open[export.key] = mapped
+            self.counters.opened += 1
+            while len(self._open) > self.max_peers:
+                self._close_locked(next(iter(self._open)))
+            return mapped
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._close_locked(key)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._open):
+                self._close_locked(key)
+
+    def _close_locked(self, key: str) -> None:
+        if self._open.pop(key, None) is not None:
+            self.counters.closed += 1  # the storage's last reference: torch closes the handle
+        self._by_peer = {a: k for a, k in self._by_peer.items() if k != key}
+
+
 class CudaIpcTransport:
     name = TransportName.CUDA_IPC
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.counters = HandleCounters()  # decode: mappings opened / closed
+        self.mappings = PeerMappings(self._open_here)
+        self.counters = self.mappings.counters  # decode: mappings opened / closed
         self.exports = HandleCounters()  # prefill: the cache shared (once) / unshared
         self._export: CacheExport | None = None
-        self._open: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
 
     def why_unavailable(self, local: PeerFacts) -> str | None:
         if self.device.type != "cuda" or local.gpu_uuid is None:
@@ -158,39 +206,28 @@ class CudaIpcTransport:
             )
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, self._copy, export, ids)
+            return await loop.run_in_executor(None, self._copy, ctx.address, export, ids)
         except (RuntimeError, ValueError, IndexError) as exc:
-            self._close(export.key)  # a stale or broken mapping is not reused
+            self.mappings.drop(export.key)  # a stale or broken mapping is not reused
             raise TransportFailure(self.name, f"copy from the mapped cache failed: {exc}") from None
 
-    def _copy(self, export: CacheExport, ids: list[int]) -> torch.Tensor:
-        remote = self._mapping(export)
-        out = gather_blocks_on(remote, ids, self.device)
-        torch.cuda.synchronize(self.device)  # every byte is here before the ACK frees them
-        return out
-
-    def _mapping(self, export: CacheExport) -> torch.Tensor:
-        remote = self._open.get(export.key)
-        if remote is not None:
-            self._open.move_to_end(export.key)
-            return remote
+    def _open_here(self, export: CacheExport) -> torch.Tensor:
         uuids = gpu_uuids()
         if export.gpu_uuid not in uuids:
             raise ValueError(f"GPU {export.gpu_uuid} is not visible to this process")
-        remote = open_export(export, uuids.index(export.gpu_uuid))
-        self._open[export.key] = remote
-        self.counters.opened += 1
-        while len(self._open) > MAX_PEERS:
-            self._close(next(iter(self._open)))
-        return remote
+        return open_export(export, uuids.index(export.gpu_uuid))
 
-    def _close(self, key: str) -> None:
-        if self._open.pop(key, None) is not None:
-            self.counters.closed += 1  # the storage's last reference: torch closes the handle
+    def _copy(self, address: str, export: CacheExport, ids: list[int]) -> torch.Tensor:
+        remote = self.mappings.get(address, export)
+        with torch.cuda.device(self.device):
+            out = gather_blocks_on(remote, ids, self.device)
+            # Every byte is here before the ACK lets the prefill free (and reuse) the blocks.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(remote.device)
+        return out
 
     def close(self) -> None:
-        for key in list(self._open):
-            self._close(key)
+        self.mappings.close()
         if self._export is not None:
             self._export = None
             self.exports.closed += 1

@@ -76,10 +76,10 @@ def negotiate(
     blocks to `peer` over t. Under `auto` the fastest common one wins; a forced mode accepts its
     own transport only (an old decode, offering nothing, is then refused)."""
     if offer is None:
-        if mode.allows(TransportName.TCP):
+        if mode.forced is None or mode.forced == TransportName.TCP:
             return Decision(TransportName.TCP)
-        return Decision(None, {mode.forced: "the decode instance predates KV transports (TCP "
-                               "only)"})  # type: ignore[dict-item]  # fmt: skip
+        why = "the decode instance predates KV transports (TCP only)"
+        return Decision(None, {mode.forced: why})
     decision = Decision(None)
     for t in SPEED_ORDER:
         if t not in offer.accept:

@@ -87,7 +87,8 @@ class ReceiveContext:
 
     layout: KVLayout
     num_blocks: int
-    kv_host: str  # the prefill's KV address, as dialled (NCCL's store is reached there too)
+    kv_host: str  # the prefill's KV host, as dialled (NCCL's store is reached there too)
+    address: str = ""  # host:port of that KV server: one prefill process while it lives
 
 
 class KVTransport(Protocol):
