@@ -7,6 +7,7 @@ client.py). The fast ones are built only where CUDA is (`build_transports`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -95,6 +96,7 @@ def build_transports(mode: TransportMode, kv_cache: Any, bind_host: str) -> Tran
     return TransportSet(mode, local, fast)
 
 
+@functools.cache
 def tcp_only() -> TransportSet:
     """What an instance without fast transports (no CUDA, or tests) negotiates with: TCP."""
     from atom.disagg.peer import host_id

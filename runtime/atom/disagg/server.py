@@ -131,7 +131,8 @@ class KVServer:
         transports = src.transports or tcp_only()
         decision = transports.decide(offer)
         if decision.chosen is None:  # before the hold is touched: nothing moved
-            count_transport(self.metrics, "sent", str(transports.mode), "refused")
+            wanted = transports.mode.forced or (offer.accept[0] if offer and offer.accept else "-")
+            count_transport(self.metrics, "sent", str(wanted), "refused")
             return await self._refuse(
                 writer,
                 wire.TRANSPORT_REFUSED,
