@@ -472,13 +472,12 @@ class Disaggregation(_Base):
     kv_transport: KVTransport = Field(
         default="auto",
         description="How decode pods pull KV blocks from prefill pods (--kv-transport on both "
-        "roles; the pair negotiates it in the handshake and falls back to TCP when a path is "
-        "unavailable). auto: the fastest path both sides support; decode pods prefer "
-        "(weighted podAffinity) a node running a prefill pod of their revision, and pairs on "
-        "different nodes use TCP. cuda-ipc (same GPU node) and nccl: decode pods require "
-        "(podAffinity, kubernetes.io/hostname) a node running a prefill pod of their revision; "
-        "device gpu only. tcp: no placement, TCP through host memory. Not in the "
-        "compile-cache key.",
+        "roles, negotiated in the pair's handshake). auto: the fastest path both sides "
+        "support; decode pods prefer (weighted podAffinity) a node running a prefill pod of "
+        "their revision, and pairs on different nodes use TCP. cuda-ipc (GPU to GPU on one "
+        "node) and nccl: decode pods require (podAffinity on kubernetes.io/hostname) a node "
+        "running a prefill pod of their revision; device gpu only. tcp: TCP through host "
+        "memory, no placement. Not in the compile-cache key.",
     )
 
 

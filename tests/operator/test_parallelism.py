@@ -5,14 +5,17 @@ API server in test_parallelism_cel.py."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from atomd_helpers import IMAGE, OWNER, SPECS, spec
 
 from atom.cli.args import build_parser
 from atom_operator import builders, crdgen, naming, runtime_args
 from atom_operator.builders.runtime import role_resources
+from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot
 from atom_operator.status import compute_status
 
@@ -154,3 +157,29 @@ def test_existing_specs_render_as_before(name: str) -> None:
         assert "--tensor-parallel-size" not in runtime_args.render_args(s, role, cache_dir=None)
     expected = 2 if name == "custom-sizes" else 1  # custom-sizes names nvidia.com/gpu: 2
     assert {gpus(s, r) for r in runtime_args.roles(s)} == {expected}
+
+
+def _example(name: str) -> AtomDeploymentSpec:
+    path = Path(__file__).resolve().parents[2] / "examples" / name
+    (doc,) = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return AtomDeploymentSpec.model_validate(doc["spec"])
+
+
+def test_tensor_parallel_example_renders_what_it_says() -> None:
+    s = _example("tensor-parallel.yaml")
+    assert parsed(s, naming.UNIFIED).tensor_parallel_size == 2
+    assert role_resources(s, naming.UNIFIED)["limits"] == {GPU: 2, "memory": "48Gi"}
+
+
+def test_co_located_example_requires_one_node_per_pair() -> None:
+    s = _example("disaggregated-co-located.yaml")
+    plan = builders.plan(OWNER, s, IMAGE, Snapshot())
+    decode = next(
+        o
+        for o in plan.apply
+        if o["kind"] == "Deployment" and o["metadata"]["labels"][naming.LABEL_ROLE] == "decode"
+    )
+    affinity = decode["spec"]["template"]["spec"]["affinity"]["podAffinity"]
+    assert list(affinity) == ["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert parsed(s, naming.PREFILL).kv_transport == "cuda-ipc"
+    assert {gpus(s, r) for r in runtime_args.roles(s)} == {1}
