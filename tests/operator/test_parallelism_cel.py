@@ -1,11 +1,13 @@
 """The CRD's tensor-parallel and KV-transport rules, evaluated by a real API server (the local
 control plane: `hack/controlplane install`). Server-side dry runs: nothing is stored, no
-operator runs. Each refusal must name the field; each accepted spec must stay accepted."""
+operator runs. Each refusal must name the field; each accepted spec must stay accepted. Last,
+the rendered P/D Deployments on the real scheduler: decode pods beside their prefill pod."""
 
 from __future__ import annotations
 
 import copy
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from atom_operator import crdgen, models
+from atom_operator import builders, crdgen, models, naming
+from atom_operator.builders import Owner
+from atom_operator.models import AtomDeploymentSpec
+from atom_operator.snapshot import Snapshot
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -202,3 +207,67 @@ def test_every_example_is_accepted(api) -> None:
             if doc and doc.get("kind") == models.KIND:
                 proc = dry_run(api, doc["spec"], doc["metadata"]["name"])
                 assert proc.returncode == 0, f"{path.name}: {proc.stderr}"
+
+
+def test_scheduler_puts_decode_pods_beside_their_prefill_pod(api) -> None:
+    """The rendered Deployments on the real scheduler (two 8-GPU kwok nodes): with nccl all
+    three decode pods join the one prefill pod's node, although their soft spread alone would
+    use both nodes; the API server keeps matchLabelKeys and adds the revision to the pods'
+    selector."""
+    cluster, namespace = api
+    s = AtomDeploymentSpec.model_validate(
+        merged(
+            {
+                "compileCache": {"enabled": False},  # no claim to bind: only placement counts
+                "disaggregation": {
+                    "prefill": {"replicas": 1, "parallelism": {"tensor": 2}},
+                    "decode": {"replicas": 3},
+                    "kvTransport": "nccl",
+                },
+            }
+        )
+    )
+    owner = Owner(name="pair", namespace=namespace, uid="not-stored")
+    plan = builders.plan(owner, s, "registry.example/atom-runtime:1", Snapshot())
+    deployments = []
+    for obj in plan.apply:
+        if obj["kind"] == "Deployment" and obj["metadata"]["labels"][naming.LABEL_ROLE] in (
+            naming.PREFILL,
+            naming.DECODE,
+        ):
+            obj = copy.deepcopy(obj)
+            del obj["metadata"]["ownerReferences"]  # no owner stored: GC would delete them
+            deployments.append(obj)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"kind": "List", "apiVersion": "v1",
+                                                          "items": deployments}))  # fmt: skip
+    selector = f"{naming.LABEL_INSTANCE}=pair"
+
+    def placed() -> list[dict[str, Any]] | None:
+        out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+        pods = json.loads(out.stdout)["items"]
+        done = len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods)
+        return pods if done else None
+
+    deadline = time.monotonic() + 60
+    while (pods := placed()) is None:
+        assert time.monotonic() < deadline, "pods not scheduled within 60 s"
+        time.sleep(0.5)
+    nodes = {
+        role: sorted(
+            p["spec"]["nodeName"]
+            for p in pods
+            if p["metadata"]["labels"][naming.LABEL_ROLE] == role
+        )
+        for role in (naming.PREFILL, naming.DECODE)
+    }
+    assert len(nodes[naming.PREFILL]) == 1 and nodes[naming.DECODE] == nodes[naming.PREFILL] * 3
+    decode = next(p for p in pods if p["metadata"]["labels"][naming.LABEL_ROLE] == naming.DECODE)
+    (term,) = decode["spec"]["affinity"]["podAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["matchLabelKeys"] == [naming.LABEL_REVISION]
+    assert {"key": naming.LABEL_REVISION, "operator": "In", "values": [plan.revision]} in term[
+        "labelSelector"
+    ].get("matchExpressions", [])
+    prefill = next(p for p in pods if p["metadata"]["labels"][naming.LABEL_ROLE] == naming.PREFILL)
+    assert prefill["spec"]["containers"][0]["resources"]["limits"][GPU] == "2"
