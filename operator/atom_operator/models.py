@@ -646,9 +646,9 @@ class AtomDeploymentSpec(_Base):
     model: ModelSource = Field(description="The model to serve.")
     device: Device = Field(
         default="gpu",
-        description="Where the runtime runs: gpu (parallelism.tensor nvidia.com/gpu per pod, one "
-        "by default) or cpu "
-        "(no GPU requested, --device cpu, graph mode NONE: an unset mode, and the decode role's "
+        description="Where the runtime runs: gpu (parallelism.tensor nvidia.com/gpu per pod, "
+        "one by default) or cpu (no GPU requested, --device cpu, graph mode NONE: an unset "
+        "mode, and the decode role's "
         "FULL_DECODE_ONLY default, resolve to NONE; any other mode set on cpu is refused). "
         "Part of the compile-cache key.",
     )

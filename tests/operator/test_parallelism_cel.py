@@ -60,6 +60,11 @@ REFUSED: dict[str, tuple[dict[str, Any], str, str]] = {
         "spec.parallelism.tensor",
         "must equal parallelism.tensor",
     ),
+    "request differs from a matching limit": (
+        {"parallelism": {"tensor": 2}, "resources": _res(limit=2, request=1)},
+        "spec.parallelism.tensor",
+        "must equal parallelism.tensor",
+    ),
     "prefill tensor vs inherited resources": (
         {
             "resources": _res(limit=1),
