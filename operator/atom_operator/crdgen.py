@@ -143,6 +143,7 @@ def build_crd() -> dict[str, Any]:
                     "additionalPrinterColumns": [
                         {"name": "Level", "type": "integer", "jsonPath": ".spec.compilation.level"},
                         {"name": "Mode", "type": "string", "jsonPath": ".status.graphMode"},
+                        {"name": "TP", "type": "string", "jsonPath": ".status.tensorParallel"},
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {

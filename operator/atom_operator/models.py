@@ -27,6 +27,12 @@ Dtype = Literal["bfloat16", "float16", "float32", "auto"]
 RoutingPolicy = Literal["prefix", "least-outstanding"]
 Device = Literal["gpu", "cpu"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
+KVTransport = Literal["auto", "cuda-ipc", "nccl", "tcp"]
+KV_TRANSPORTS: tuple[str, ...] = KVTransport.__args__  # type: ignore[attr-defined]
+# Transports that need the prefill and decode pod of a pair on one node's GPUs.
+CO_LOCATED_TRANSPORTS = ("cuda-ipc", "nccl")
+TENSOR_SIZES = (1, 2, 4, 8)  # powers of two up to one node's GPUs
+GPU_RESOURCE = "nvidia.com/gpu"
 
 MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
 DEFAULT_MAX_NUM_SEQS = 512  # the runtime's default (atom.cli.args)
@@ -48,6 +54,32 @@ COMPILATION_PATHS = (
 _OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
 
 
+# CEL cannot read fields an object only preserves (x-kubernetes-preserve-unknown-fields), so
+# the GPU count of a resources object is declared; every other key stays free-form.
+_GPU_CEL = "nvidia__dot__com__slash__gpu"  # CEL's escaping of the property nvidia.com/gpu
+
+
+def _quantities(kind: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": f"Resource {kind} (any resource name; nvidia.com/gpu is checked against "
+        "the tensor-parallel size).",
+        "properties": {
+            GPU_RESOURCE: {
+                "x-kubernetes-int-or-string": True,
+                "description": f"GPUs per pod ({kind}). Unset: the tensor-parallel size.",
+            }
+        },
+        **_OPAQUE,
+    }
+
+
+_RESOURCES: dict[str, Any] = {
+    **_OPAQUE,
+    "properties": {"limits": _quantities("limits"), "requests": _quantities("requests")},
+}
+
+
 def _section(model: type, description: str) -> Any:
     """A sub-object that is always present: defaulted to {} by the API server, so its own
     field defaults apply too."""
@@ -56,6 +88,81 @@ def _section(model: type, description: str) -> Any:
 
 def _opaque_object(description: str) -> Any:
     return Field(default=None, description=description, json_schema_extra=_OPAQUE)
+
+
+def _resources_field(description: str) -> Any:
+    return Field(default=None, description=description, json_schema_extra=_RESOURCES)
+
+
+def _has_chain(path: str, known: str = "") -> str:
+    """CEL: every step of the dotted `path` under self is set (the `known` prefix is)."""
+    parts = path.split(".")
+    skip = len(known.split(".")) if known else 0
+    steps = [f"has(self.{'.'.join(parts[: i + 1])})" for i in range(skip, len(parts))]
+    return " && ".join(steps)
+
+
+def _gpu_matches(resources: str, tensor: str, known: str = "") -> str:
+    """CEL: the nvidia.com/gpu limit and request of `resources`, where set, equal `tensor`
+    (a quantity is an int or a string: compared as text, 2 == "2")."""
+    checks = []
+    for kind in ("limits", "requests"):
+        amount = f"{resources}.{kind}.{_GPU_CEL}"
+        checks.append(
+            f"(!({_has_chain(amount, known)}) || string(self.{amount}) == string({tensor}))"
+        )
+    return " && ".join(checks)
+
+
+def tensor_gpu_rules() -> list[dict[str, str]]:
+    """CEL: an explicit tensor size and an explicit nvidia.com/gpu count of the same pods agree.
+    The operator renders the GPU count from the tensor size only where the spec names none;
+    a count set beside an unset tensor size is left as it is (specs from before the field)."""
+    shared_set = _has_chain("parallelism.tensor")
+    on_gpu = "(!has(self.device) || self.device == 'gpu')"
+    hint = "leave the GPU count unset and the operator renders it"
+    rules = [
+        {
+            "rule": f"!({on_gpu} && !has(self.disaggregation) && {shared_set}) "
+            f"|| ({_gpu_matches('resources', 'self.parallelism.tensor')})",
+            "message": "resources.limits/requests nvidia.com/gpu must equal parallelism.tensor "
+            f"({hint})",
+            "fieldPath": ".parallelism.tensor",
+            "reason": "FieldValueInvalid",
+        }
+    ]
+    for role in ("prefill", "decode"):
+        base = f"disaggregation.{role}"  # present whenever disaggregation is (required)
+        own_set = _has_chain(f"{base}.parallelism.tensor", base)
+        tensor = f"({own_set} ? self.{base}.parallelism.tensor : self.parallelism.tensor)"
+        own = _gpu_matches(f"{base}.resources", tensor, f"{base}.resources")
+        inherited = _gpu_matches("resources", tensor)
+        rules.append(
+            {
+                "rule": f"!({on_gpu} && has(self.disaggregation) && ({own_set} || {shared_set})) "
+                f"|| (has(self.{base}.resources) ? ({own}) : ({inherited}))",
+                "message": f"nvidia.com/gpu limits/requests of {base}.resources (or of resources, "
+                f"which the role inherits) must equal {base}.parallelism.tensor (or "
+                f"parallelism.tensor, which the role inherits): {hint}",
+                "fieldPath": f".{base}.parallelism",
+                "reason": "FieldValueInvalid",
+            }
+        )
+    return rules
+
+
+def kv_transport_rule() -> dict[str, str]:
+    """CEL: the GPU-to-GPU transports need GPUs."""
+    listed = ", ".join(f"'{t}'" for t in CO_LOCATED_TRANSPORTS)
+    return {
+        "rule": "!(has(self.disaggregation) && has(self.disaggregation.kvTransport) "
+        f"&& self.disaggregation.kvTransport in [{listed}]) "
+        "|| !has(self.device) || self.device == 'gpu'",
+        "message": "disaggregation.kvTransport cuda-ipc and nccl need device gpu: use auto or "
+        "tcp with device cpu",
+        "fieldPath": ".disaggregation.kvTransport",
+        "reason": "FieldValueForbidden",
+    }
 
 
 def _sizes_rule(path: str, *, single_value_clamped: bool = False) -> dict[str, str]:
@@ -282,6 +389,36 @@ class CompileCacheSpec(_Base):
     )
 
 
+class Parallelism(_Base):
+    """How one runtime pod splits the model over its devices."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.tensor) || self.tensor in "
+                    f"[{', '.join(map(str, TENSOR_SIZES))}]",
+                    "message": "parallelism.tensor must be a power of two at most 8 (1, 2, 4 or 8)",
+                    "fieldPath": ".tensor",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    tensor: int | None = Field(
+        default=None,
+        ge=1,
+        le=max(TENSOR_SIZES),
+        description="Tensor-parallel size: worker processes per pod, one per GPU, each holding "
+        "1/N of the weights and KV heads (--tensor-parallel-size; 1, 2, 4 or 8, and it must "
+        "divide the model's attention heads, KV heads and vocabulary). On device gpu the pod "
+        "requests this many nvidia.com/gpu unless resources names a count, which must then be "
+        "equal; on device cpu the ranks talk over gloo and no GPU is requested. Unset: 1. Part "
+        "of the compile-cache key (each rank compiles into its own rank_<i> directory).",
+    )
+
+
 class RoleSpec(_Base):
     """One disaggregated role."""
 
@@ -294,8 +431,13 @@ class RoleSpec(_Base):
     compilation: CompilationOverride | None = Field(
         default=None, description="Overrides of spec.compilation for this role."
     )
-    resources: dict[str, Any] | None = _opaque_object(
-        "Container resources of this role (default: spec.resources)."
+    resources: dict[str, Any] | None = _resources_field(
+        "Container resources of this role (default: spec.resources). nvidia.com/gpu unset: "
+        "the role's tensor-parallel size."
+    )
+    parallelism: Parallelism | None = Field(
+        default=None,
+        description="Parallelism of this role's pods; an unset tensor inherits spec.parallelism.",
     )
 
 
@@ -327,6 +469,16 @@ class Disaggregation(_Base):
         description="The decode role (graph mode defaults to FULL_DECODE_ONLY)."
     )
     router: RouterSpec = _section(RouterSpec, "The router.")
+    kv_transport: KVTransport = Field(
+        default="auto",
+        description="How decode pods pull KV blocks from prefill pods (--kv-transport on both "
+        "roles, negotiated in the pair's handshake). auto: the fastest path both sides "
+        "support; decode pods prefer (weighted podAffinity) a node running a prefill pod of "
+        "their revision, and pairs on different nodes use TCP. cuda-ipc (GPU to GPU on one "
+        "node) and nccl: decode pods require (podAffinity on kubernetes.io/hostname) a node "
+        "running a prefill pod of their revision; device gpu only. tcp: TCP through host "
+        "memory, no placement. Not in the compile-cache key.",
+    )
 
 
 class SecretKeyRef(_Base):
@@ -480,6 +632,8 @@ class AtomDeploymentSpec(_Base):
                 _cpu_graph_rule("compilation"),
                 _cpu_graph_rule("disaggregation.prefill.compilation"),
                 _cpu_graph_rule("disaggregation.decode.compilation"),
+                *tensor_gpu_rules(),
+                kv_transport_rule(),
             ]
         }
     )
@@ -492,8 +646,9 @@ class AtomDeploymentSpec(_Base):
     model: ModelSource = Field(description="The model to serve.")
     device: Device = Field(
         default="gpu",
-        description="Where the runtime runs: gpu (one nvidia.com/gpu per pod by default) or cpu "
-        "(no GPU requested, --device cpu, graph mode NONE: an unset mode, and the decode role's "
+        description="Where the runtime runs: gpu (parallelism.tensor nvidia.com/gpu per pod, "
+        "one by default) or cpu (no GPU requested, --device cpu, graph mode NONE: an unset "
+        "mode, and the decode role's "
         "FULL_DECODE_ONLY default, resolve to NONE; any other mode set on cpu is refused). "
         "Part of the compile-cache key.",
     )
@@ -516,8 +671,13 @@ class AtomDeploymentSpec(_Base):
         default=None,
         description="Run prefill and decode roles behind a router instead of one unified role.",
     )
-    resources: dict[str, Any] | None = _opaque_object(
-        "Container resources of runtime pods (default: one nvidia.com/gpu)."
+    resources: dict[str, Any] | None = _resources_field(
+        "Container resources of runtime pods. nvidia.com/gpu unset (in limits and requests): "
+        "the tensor-parallel size (one GPU by default) on device gpu; never requested on cpu."
+    )
+    parallelism: Parallelism = _section(
+        Parallelism,
+        "Parallelism of runtime pods (disaggregation.<role>.parallelism overrides it per role).",
     )
     node_selector: dict[str, str] | None = Field(
         default=None, description="Node selector of runtime pods (and of the router's)."
@@ -604,6 +764,9 @@ class RoleStatus(_Base):
 
     replicas: int = Field(default=0, description="Desired pods.")
     ready_replicas: int = Field(default=0, description="Pods ready (passed /health).")
+    tensor_parallel: int | None = Field(
+        default=None, description="Tensor-parallel size of each pod (runtime roles)."
+    )
     updated_replicas: int = Field(default=0, description="Pods at the current revision.")
     revision: str | None = Field(default=None, description="Revision these pods serve.")
 
@@ -646,6 +809,14 @@ class AtomDeploymentStatus(_Base):
         default=None, description="In-cluster URL of the OpenAI-compatible API."
     )
     graph_mode: str | None = Field(default=None, description="Effective graph mode per role.")
+    tensor_parallel: str | None = Field(
+        default=None,
+        description="Tensor-parallel size per pod (role=size pairs when roles differ); printer "
+        "column TP.",
+    )
+    kv_transport: str | None = Field(
+        default=None, description="KV transport asked of prefill/decode pairs (disaggregated)."
+    )
     ready: str | None = Field(default=None, description="Ready roles / roles.")
     replicas: int | None = Field(default=None, description="Unified pods (scale subresource).")
     selector: str | None = Field(

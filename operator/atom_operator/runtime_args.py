@@ -29,6 +29,20 @@ def role_replicas(spec: AtomDeploymentSpec, role: str) -> int:
     return getattr(spec.disaggregation, role).replicas
 
 
+def tensor_size(spec: AtomDeploymentSpec, role: str) -> int:
+    """The role's tensor-parallel size: its own parallelism, else the shared one, else 1."""
+    if spec.disaggregation is not None and role in (naming.PREFILL, naming.DECODE):
+        own = getattr(spec.disaggregation, role).parallelism
+        if own is not None and own.tensor is not None:
+            return own.tensor
+    return spec.parallelism.tensor or 1
+
+
+def kv_transport(spec: AtomDeploymentSpec) -> str | None:
+    """The P/D pair's --kv-transport (None when not disaggregated)."""
+    return spec.disaggregation.kv_transport if spec.disaggregation is not None else None
+
+
 def effective_compilation(spec: AtomDeploymentSpec, role: str) -> Compilation:
     """The shared compilation with the role's overrides; decode defaults to FULL_DECODE_ONLY."""
     merged = spec.compilation.model_dump()
@@ -99,6 +113,9 @@ def render_args(
         args += ["--max-model-len", str(spec.engine.max_model_len)]
     if spec.engine.enforce_eager:
         args.append("--enforce-eager")
+    tensor = tensor_size(spec, role)
+    if tensor > 1:  # 1 is the runtime's default: existing pods keep their arguments
+        args += ["--tensor-parallel-size", str(tensor)]
     if not spec.prefix_caching:  # on by default in the runtime
         args.append("--no-enable-prefix-caching")
     args += ["--level", str(comp.level)]
@@ -124,6 +141,7 @@ def render_args(
     if role in (naming.PREFILL, naming.DECODE):
         # $(POD_IP) is expanded by the kubelet from the env of the same name (downward API).
         args += ["--kv-port", str(naming.KV_PORT), "--kv-host", "$(POD_IP)"]
+        args += ["--kv-transport", kv_transport(spec) or "auto"]
     if spec.device == "cpu":
         args += ["--device", "cpu"]
     return args
@@ -142,8 +160,9 @@ def command_line(args: list[str]) -> str:
 
 def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
     """Hash of what changes compiled code: image, model identity, dtype, engine shape and the
-    role's effective compilation. Replicas, names, IPs and ports never enter it, nor
-    prefixCaching or the router's routingPolicy (they change no compiled code or graph)."""
+    role's effective compilation and tensor-parallel size. Replicas, names, IPs and ports never
+    enter it, nor prefixCaching, the router's routingPolicy or the KV transport (they change no
+    compiled code or graph)."""
     comp = effective_compilation(spec, role)
     comp_fields = comp.model_dump(exclude_none=True)
     if graph_mode(spec, comp) == "NONE":  # ignored sizes must not split the cache
@@ -162,6 +181,10 @@ def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
     }
     if spec.device != "gpu":  # only when set: the keys of existing GPU deployments stay as they are
         identity["device"] = spec.device
+    tensor = tensor_size(spec, role)
+    if tensor != 1:  # likewise: TP 1 keys are the keys from before the field
+        # Each rank's graph holds 1/N of the weights: pods of one size share a cache, others never.
+        identity["tensorParallelSize"] = tensor
     spec_json = speculative_json(spec, role)
     if spec_json is not None:
         # Verify buckets of k + 1 rows and a draft model's graphs are different captured work.

@@ -6,6 +6,7 @@ at that revision (and the router on it), and Degraded names the cause.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -45,6 +46,7 @@ def role_counts(
         "readyReplicas": sum(pod_ready(p) for p in current),
         "updatedReplicas": len(current),
         "revision": revision,
+        "tensorParallel": runtime_args.tensor_size(spec, role),
     }
 
 
@@ -268,14 +270,9 @@ def compute_status(
     else:
         phase = "Progressing"
 
-    modes = {
-        role: runtime_args.graph_mode(spec, runtime_args.effective_compilation(spec, role))
-        for role in runtime_args.roles(spec)
-    }
-    graph_mode = (
-        next(iter(modes.values()))
-        if len(set(modes.values())) == 1
-        else ",".join(f"{r}={m}" for r, m in modes.items())
+    graph_mode = per_role(
+        spec,
+        lambda role: runtime_args.graph_mode(spec, runtime_args.effective_compilation(spec, role)),
     )
     keys = plan.cache_keys
     unified = roles.get(naming.UNIFIED)
@@ -295,11 +292,21 @@ def compute_status(
         "servingRevision": plan.serving_revision,
         "endpoint": plan.endpoint,
         "graphMode": graph_mode,
+        "tensorParallel": per_role(spec, lambda role: str(runtime_args.tensor_size(spec, role))),
+        "kvTransport": runtime_args.kv_transport(spec),
         "ready": f"{ready_roles}/{total_roles}",
         "replicas": unified["updatedReplicas"] if unified else 0,
         "selector": naming.selector_string(naming.selector_labels(name, naming.UNIFIED)),
     }
     return status
+
+
+def per_role(spec: AtomDeploymentSpec, value: Callable[[str], str]) -> str:
+    """One value when every runtime role has it, else `role=value` pairs (printer columns)."""
+    values = {role: value(role) for role in runtime_args.roles(spec)}
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return ",".join(f"{r}={v}" for r, v in values.items())
 
 
 def invalid_spec_status(

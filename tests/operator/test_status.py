@@ -46,6 +46,7 @@ def test_unified_ready_with_counts() -> None:
         "readyReplicas": 2,
         "updatedReplicas": 2,
         "revision": rev,
+        "tensorParallel": 1,
     }
     assert cond(st, "Ready")["status"] == "True" and cond(st, "Progressing")["status"] == "False"
     assert cond(st, "CompileCacheReady")["status"] == "True"

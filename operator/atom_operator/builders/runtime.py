@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
 from atom_operator.builders.secret import token_env
-from atom_operator.models import AtomDeploymentSpec
+from atom_operator.models import CO_LOCATED_TRANSPORTS, GPU_RESOURCE, AtomDeploymentSpec
 
-DEFAULT_RESOURCES: dict[str, Any] = {"limits": {"nvidia.com/gpu": 1}}
 # Filled in where the spec leaves them out, so runtime pods are never BestEffort (first to be
 # evicted, each restart repaying compile and capture). Memory request = limit: the kubelet
 # does not pick such a pod first under memory pressure. Fixed, not derived from the model:
@@ -22,7 +22,8 @@ DEFAULT_MEMORY = "16Gi"
 # (the API-server and engine-core processes of a small model, with compile headroom).
 CPU_DEVICE_CPU = "250m"
 CPU_DEVICE_MEMORY = "3Gi"
-GPU_RESOURCE = "nvidia.com/gpu"
+HOSTNAME = "kubernetes.io/hostname"
+CO_LOCATION_WEIGHT = 100  # the most a preferred term can weigh
 RUNTIME_UID = 10001  # the image's `atom` user (Dockerfile ARG UID): its home and passwd entry
 PROBE_PERIOD_S = 10
 # SIGTERM handling (CONTRACTS.md): preStop sleep lets endpoints drop the pod first, then the
@@ -65,10 +66,21 @@ def role_resources(spec: AtomDeploymentSpec, role: str) -> dict[str, Any]:
     if spec.disaggregation is not None and role in (naming.PREFILL, naming.DECODE):
         own = getattr(spec.disaggregation, role).resources
     if own is None:
-        own = spec.resources if spec.resources is not None else DEFAULT_RESOURCES
+        own = spec.resources if spec.resources is not None else {}
     if spec.device == "cpu":
         return with_default_requests(_without_gpu(own), CPU_DEVICE_CPU, CPU_DEVICE_MEMORY)
-    return with_default_requests(own, DEFAULT_CPU, DEFAULT_MEMORY)
+    gpus = with_gpus(own, runtime_args.tensor_size(spec, role))
+    return with_default_requests(gpus, DEFAULT_CPU, DEFAULT_MEMORY)
+
+
+def with_gpus(resources: dict[str, Any], count: int) -> dict[str, Any]:
+    """`resources` with an nvidia.com/gpu limit of `count` (the tensor-parallel size) unless
+    it names a GPU count itself (CEL keeps that equal to an explicit tensor size)."""
+    limits = dict(resources.get("limits") or {})
+    if GPU_RESOURCE in limits or GPU_RESOURCE in (resources.get("requests") or {}):
+        return resources
+    limits[GPU_RESOURCE] = count
+    return {**resources, "limits": limits}
 
 
 def _without_gpu(resources: dict[str, Any]) -> dict[str, Any]:
@@ -95,11 +107,49 @@ def spread(spec: AtomDeploymentSpec, instance: str, role: str) -> list[dict[str,
     return [
         {
             "maxSkew": 1,
-            "topologyKey": "kubernetes.io/hostname",
+            "topologyKey": HOSTNAME,
             "whenUnsatisfiable": "ScheduleAnyway",
             "labelSelector": {"matchLabels": naming.selector_labels(instance, role)},
         }
     ]
+
+
+def co_location(spec: AtomDeploymentSpec, instance: str, role: str) -> dict[str, Any] | None:
+    """The podAffinity that puts a decode pod on a node running a prefill pod of the same
+    AtomDeployment and revision (matchLabelKeys takes the pod's own revision label), so a
+    pair can move KV blocks GPU to GPU: required for cuda-ipc and nccl, preferred for auto
+    (pairs on different nodes fall back to TCP), none for tcp. Prefill pods carry no
+    affinity: they keep the role's spread, and decode pods follow them. The role's spread
+    still applies within the nodes the affinity allows."""
+    if spec.disaggregation is None or role != naming.DECODE:
+        return None
+    transport = spec.disaggregation.kv_transport
+    if transport == "tcp":
+        return None
+    term = {
+        "labelSelector": {"matchLabels": naming.selector_labels(instance, naming.PREFILL)},
+        "matchLabelKeys": [naming.LABEL_REVISION],
+        "topologyKey": HOSTNAME,
+    }
+    if transport in CO_LOCATED_TRANSPORTS:
+        return {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    return {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": CO_LOCATION_WEIGHT, "podAffinityTerm": term}
+        ]
+    }
+
+
+def pod_affinity(spec: AtomDeploymentSpec, instance: str, role: str) -> dict[str, Any] | None:
+    """spec.affinity with the role's co-location terms appended to its podAffinity."""
+    extra = co_location(spec, instance, role)
+    if extra is None:
+        return spec.affinity or None
+    affinity = copy.deepcopy(spec.affinity or {})
+    pod = affinity.setdefault("podAffinity", {})
+    for key, terms in extra.items():
+        pod[key] = [*pod.get(key, []), *terms]
+    return affinity
 
 
 def cache_dir(spec: AtomDeploymentSpec, key: str) -> str | None:
@@ -215,8 +265,10 @@ def pod_spec(
         pod["nodeSelector"] = spec.node_selector
     if spec.tolerations:
         pod["tolerations"] = spec.tolerations
-    if spec.affinity:
-        pod["affinity"] = spec.affinity
+    # Warm-up pods run before any prefill pod exists: no co-location for them.
+    affinity = pod_affinity(spec, owner.name, role) if command == "serve" else spec.affinity
+    if affinity:
+        pod["affinity"] = affinity
     return pod
 
 

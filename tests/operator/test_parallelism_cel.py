@@ -1,0 +1,278 @@
+"""The CRD's tensor-parallel and KV-transport rules, evaluated by a real API server (the local
+control plane: `hack/controlplane install`). Server-side dry runs: nothing is stored, no
+operator runs. Each refusal must name the field; each accepted spec must stay accepted. Last,
+the rendered P/D Deployments on the real scheduler: decode pods beside their prefill pod."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from atom_operator import builders, crdgen, models, naming
+from atom_operator.builders import Owner
+from atom_operator.models import AtomDeploymentSpec
+from atom_operator.snapshot import Snapshot
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+GPU = "nvidia.com/gpu"
+BASE: dict[str, Any] = {"model": {"name": "tiny-llama", "loadFormat": "dummy"}}
+DISAGG: dict[str, Any] = {"disaggregation": {"prefill": {}, "decode": {}}}
+
+
+def _res(limit: Any = None, request: Any = None, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if limit is not None:
+        out["limits"] = {GPU: limit}
+    if request is not None:
+        out["requests"] = {GPU: request}
+    for kind, amounts in extra.items():
+        out.setdefault(kind, {}).update(amounts)
+    return out
+
+
+# case: (spec changes, field the error names, words of its message)
+REFUSED: dict[str, tuple[dict[str, Any], str, str]] = {
+    "tensor 3": ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor", "power of two"),
+    "tensor 6": ({"parallelism": {"tensor": 6}}, "spec.parallelism.tensor", "power of two"),
+    "tensor 16": ({"parallelism": {"tensor": 16}}, "spec.parallelism.tensor", "less than or equal"),
+    "tensor 0": (
+        {"parallelism": {"tensor": 0}},
+        "spec.parallelism.tensor",
+        "greater than or equal",
+    ),
+    "limit below tensor": (
+        {"parallelism": {"tensor": 2}, "resources": _res(limit=1)},
+        "spec.parallelism.tensor",
+        "resources.limits/requests nvidia.com/gpu must equal parallelism.tensor",
+    ),
+    "string request above tensor": (
+        {"parallelism": {"tensor": 2}, "resources": _res(request="4", limit="4")},
+        "spec.parallelism.tensor",
+        "must equal parallelism.tensor",
+    ),
+    "request differs from a matching limit": (
+        {"parallelism": {"tensor": 2}, "resources": _res(limit=2, request=1)},
+        "spec.parallelism.tensor",
+        "must equal parallelism.tensor",
+    ),
+    "prefill tensor vs inherited resources": (
+        {
+            "resources": _res(limit=1),
+            "disaggregation": {"prefill": {"parallelism": {"tensor": 2}}, "decode": {}},
+        },
+        "spec.disaggregation.prefill.parallelism",
+        "disaggregation.prefill.resources (or of resources",
+    ),
+    "decode resources vs inherited tensor": (
+        {
+            "parallelism": {"tensor": 4},
+            "disaggregation": {"prefill": {}, "decode": {"resources": _res(limit=2)}},
+        },
+        "spec.disaggregation.decode.parallelism",
+        "must equal disaggregation.decode.parallelism.tensor (or parallelism.tensor",
+    ),
+    "role tensor 5": (
+        {"disaggregation": {"prefill": {}, "decode": {"parallelism": {"tensor": 5}}}},
+        "spec.disaggregation.decode.parallelism.tensor",
+        "power of two",
+    ),
+    "nccl on cpu": (
+        {"device": "cpu", "disaggregation": {"prefill": {}, "decode": {}, "kvTransport": "nccl"}},
+        "spec.disaggregation.kvTransport",
+        "cuda-ipc and nccl need device gpu",
+    ),
+    "cuda-ipc on cpu": (
+        {
+            "device": "cpu",
+            "disaggregation": {"prefill": {}, "decode": {}, "kvTransport": "cuda-ipc"},
+        },
+        "spec.disaggregation.kvTransport",
+        "need device gpu",
+    ),
+    "unknown transport": (
+        {"disaggregation": {"prefill": {}, "decode": {}, "kvTransport": "rdma"}},
+        "spec.disaggregation.kvTransport",
+        "Unsupported value",
+    ),
+}
+
+ACCEPTED: dict[str, dict[str, Any]] = {
+    "tensor 2, GPU count rendered": {"parallelism": {"tensor": 2}},
+    "tensor 8 with matching int and string counts": {
+        "parallelism": {"tensor": 8},
+        "resources": _res(limit=8, request="8", limits={"memory": "64Gi"}, requests={"cpu": 0.5}),
+    },
+    # specs from before the field: a count beside an unset tensor size is left alone
+    "count without tensor": {"resources": _res(limit=2)},
+    "cpu: tensor 2, a GPU count the operator drops": {
+        "device": "cpu",
+        "parallelism": {"tensor": 2},
+        "resources": _res(limit=1),
+    },
+    "per role sizes with their own counts": {
+        "parallelism": {"tensor": 2},
+        "resources": _res(limit=2),
+        "disaggregation": {
+            "prefill": {"parallelism": {"tensor": 4}, "resources": _res(limit=4, request=4)},
+            "decode": {},
+            "kvTransport": "cuda-ipc",
+        },
+    },
+    "role size with inherited count and no shared size": {
+        "resources": _res(limit=1),
+        "disaggregation": {"prefill": {"parallelism": {"tensor": 1}}, "decode": {}},
+    },
+    "shared size unused by disaggregated roles": {
+        # the unified rule does not apply: both roles size and count their own pods
+        "parallelism": {"tensor": 2},
+        "resources": _res(limit=1),
+        "disaggregation": {
+            "prefill": {"parallelism": {"tensor": 1}},
+            "decode": {"parallelism": {"tensor": 1}},
+        },
+    },
+    "nccl on gpu": {"disaggregation": {"prefill": {}, "decode": {}, "kvTransport": "nccl"}},
+    "tcp on cpu": {
+        "device": "cpu",
+        "disaggregation": {"prefill": {}, "decode": {}, "kvTransport": "tcp"},
+    },
+}
+
+
+def _atomd(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{models.GROUP}/{models.VERSION}",
+        "kind": models.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+@pytest.fixture(scope="module")
+def api(cluster) -> Iterator[tuple[Any, str]]:
+    """The cluster with this checkout's CRD installed, and a namespace to dry-run into."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crdgen.CRD_PATH))
+    name = f"{models.PLURAL}.{models.GROUP}"
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    namespace = f"cel-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", namespace)
+    yield cluster, namespace
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def dry_run(api: tuple[Any, str], spec: dict[str, Any], name: str = "cel"):
+    cluster, namespace = api
+    doc = json.dumps(_atomd(name, namespace, spec))
+    return cluster.kubectl(
+        "apply", "--dry-run=server", "-o", "json", "-f", "-", input=doc, check=False
+    )
+
+
+def merged(change: dict[str, Any]) -> dict[str, Any]:
+    spec = copy.deepcopy(BASE)
+    spec.update(copy.deepcopy(change))
+    return spec
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_naming_the_field(api, case: str) -> None:
+    change, field, words = REFUSED[case]
+    proc = dry_run(api, merged(change))
+    assert proc.returncode != 0, f"{case}: accepted"
+    assert field in proc.stderr and words in proc.stderr, f"{case}: {proc.stderr}"
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_accepted(api, case: str) -> None:
+    proc = dry_run(api, merged(ACCEPTED[case]))
+    assert proc.returncode == 0, f"{case}: {proc.stderr}"
+
+
+def test_server_defaults(api) -> None:
+    proc = dry_run(api, merged(DISAGG))
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)["spec"]
+    assert spec["parallelism"] == {}  # present (so CEL can read it), size unset
+    assert spec["disaggregation"]["kvTransport"] == "auto"
+
+
+def test_every_example_is_accepted(api) -> None:
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == models.KIND:
+                proc = dry_run(api, doc["spec"], doc["metadata"]["name"])
+                assert proc.returncode == 0, f"{path.name}: {proc.stderr}"
+
+
+def test_scheduler_puts_decode_pods_beside_their_prefill_pod(api) -> None:
+    """The rendered Deployments on the real scheduler (two 8-GPU kwok nodes): with nccl all
+    three decode pods join the one prefill pod's node, although their soft spread alone would
+    use both nodes; the API server keeps matchLabelKeys and adds the revision to the pods'
+    selector."""
+    cluster, namespace = api
+    s = AtomDeploymentSpec.model_validate(
+        merged(
+            {
+                "compileCache": {"enabled": False},  # no claim to bind: only placement counts
+                "disaggregation": {
+                    "prefill": {"replicas": 1, "parallelism": {"tensor": 2}},
+                    "decode": {"replicas": 3},
+                    "kvTransport": "nccl",
+                },
+            }
+        )
+    )
+    owner = Owner(name="pair", namespace=namespace, uid="not-stored")
+    plan = builders.plan(owner, s, "registry.example/atom-runtime:1", Snapshot())
+    deployments = []
+    for obj in plan.apply:
+        if obj["kind"] == "Deployment" and obj["metadata"]["labels"][naming.LABEL_ROLE] in (
+            naming.PREFILL,
+            naming.DECODE,
+        ):
+            obj = copy.deepcopy(obj)
+            del obj["metadata"]["ownerReferences"]  # no owner stored: GC would delete them
+            deployments.append(obj)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"kind": "List", "apiVersion": "v1",
+                                                          "items": deployments}))  # fmt: skip
+    selector = f"{naming.LABEL_INSTANCE}=pair"
+
+    def placed() -> list[dict[str, Any]] | None:
+        out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+        pods = json.loads(out.stdout)["items"]
+        done = len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods)
+        return pods if done else None
+
+    deadline = time.monotonic() + 60
+    while (pods := placed()) is None:
+        assert time.monotonic() < deadline, "pods not scheduled within 60 s"
+        time.sleep(0.5)
+    nodes = {
+        role: sorted(
+            p["spec"]["nodeName"]
+            for p in pods
+            if p["metadata"]["labels"][naming.LABEL_ROLE] == role
+        )
+        for role in (naming.PREFILL, naming.DECODE)
+    }
+    assert len(nodes[naming.PREFILL]) == 1 and nodes[naming.DECODE] == nodes[naming.PREFILL] * 3
+    decode = next(p for p in pods if p["metadata"]["labels"][naming.LABEL_ROLE] == naming.DECODE)
+    (term,) = decode["spec"]["affinity"]["podAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["matchLabelKeys"] == [naming.LABEL_REVISION]
+    assert {"key": naming.LABEL_REVISION, "operator": "In", "values": [plan.revision]} in term[
+        "labelSelector"
+    ].get("matchExpressions", [])
+    prefill = next(p for p in pods if p["metadata"]["labels"][naming.LABEL_ROLE] == naming.PREFILL)
+    assert prefill["spec"]["containers"][0]["resources"]["limits"][GPU] == "2"
