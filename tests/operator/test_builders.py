@@ -276,15 +276,26 @@ def test_network_policies_isolate_kv_and_role_ports() -> None:
         assert [n for n, p in pols.items() if _selects(p, labels)] == [
             {"router": "demo-endpoint"}.get(role, f"demo-{role}")
         ]
-    prefill = {r["ports"][0]["port"]: r["from"] for r in pols["demo-prefill"]["spec"]["ingress"]}
-    assert prefill[8001] == [
-        {"podSelector": {"matchLabels": naming.selector_labels("demo", "decode")}}
-    ]
-    assert prefill[8000] == [
-        {"podSelector": {"matchLabels": naming.selector_labels("demo", "router")}}
-    ]
-    decode = pols["demo-decode"]["spec"]["ingress"]
-    assert [r["ports"][0]["port"] for r in decode] == [8000]
+    def peer(role: str) -> list[dict]:
+        return [{"podSelector": {"matchLabels": naming.selector_labels("demo", role)}}]
+
+    def ingress(p: dict) -> dict:
+        return {r["ports"][0].get("port", "any"): r["from"] for r in p["spec"]["ingress"]}
+
+    def with_transport(mode: str) -> dict:
+        disagg = {**SPECS["disaggregated"]["disaggregation"], "kvTransport": mode}
+        return _kind("disaggregated", "NetworkPolicy", disaggregation=disagg)
+
+    # tcp: the KV port only, from decode pods; decode pods take no traffic from prefill pods
+    tcp = with_transport("tcp")
+    assert ingress(tcp["demo-prefill"]) == {8000: peer("router"), 8001: peer("decode")}
+    assert ingress(tcp["demo-decode"]) == {8000: peer("router")}
+    # auto (the default) and nccl: nccl's store and bootstrap use ephemeral ports both ways
+    for mode in ("auto", "nccl"):
+        got = with_transport(mode)
+        assert ingress(got["demo-prefill"]) == {8000: peer("router"), "any": peer("decode")}
+        assert ingress(got["demo-decode"]) == {8000: peer("router"), "any": peer("prefill")}
+    assert ingress(pols["demo-decode"]) == ingress(got["demo-decode"])
     assert pols["demo-endpoint"]["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {}}]
     # the endpoint's clients and a scraper come from the spec
     only = [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]

@@ -9,6 +9,9 @@ that one says):
   from).
 - `<name>-decode`: decode pods accept HTTP from the router (and `metricsFrom`); their own KV
   port from nobody.
+- With `kvTransport` nccl or auto, the pair's pods accept every TCP port from each other: the
+  nccl path's TCPStore and NCCL's own bootstrap listen on ephemeral ports on both sides, and a
+  blocked one would stall each co-located pull until its group timeout before TCP took over.
 Peers are matched by the instance and role labels, so every revision is covered by one policy.
 """
 
@@ -21,6 +24,8 @@ from atom_operator.builders.common import Owner, metadata
 from atom_operator.models import AtomDeploymentSpec
 
 ALL_NAMESPACES: list[dict[str, Any]] = [{"namespaceSelector": {}}]
+ANY_TCP: dict[str, Any] = {"protocol": "TCP"}  # no port: every TCP port
+NCCL_CAPABLE = ("auto", "nccl")  # transports that may negotiate nccl (ephemeral ports)
 
 
 def policy_name(instance: str, part: str) -> str:
@@ -59,18 +64,17 @@ def build_network_policies(owner: Owner, spec: AtomDeploymentSpec) -> list[dict[
         return out
     router = [_peer(owner.name, naming.ROUTER)]
     http_from = router + list(np.metrics_from or [])
-    out.append(
-        _policy(
-            owner,
-            naming.PREFILL,
-            naming.PREFILL,
-            [
-                {"from": http_from, "ports": [http]},
-                {"from": [_peer(owner.name, naming.DECODE)], "ports": [kv]},
-            ],
-        )
-    )
-    out.append(_policy(owner, naming.DECODE, naming.DECODE, [{"from": http_from, "ports": [http]}]))
+    pair_tcp = spec.disaggregation.kv_transport in NCCL_CAPABLE
+    from_decode = [_peer(owner.name, naming.DECODE)]
+    prefill_rules = [
+        {"from": http_from, "ports": [http]},
+        {"from": from_decode, "ports": [ANY_TCP if pair_tcp else kv]},
+    ]
+    decode_rules = [{"from": http_from, "ports": [http]}]
+    if pair_tcp:
+        decode_rules.append({"from": [_peer(owner.name, naming.PREFILL)], "ports": [ANY_TCP]})
+    out.append(_policy(owner, naming.PREFILL, naming.PREFILL, prefill_rules))
+    out.append(_policy(owner, naming.DECODE, naming.DECODE, decode_rules))
     return out
 
 
