@@ -1,0 +1,80 @@
+"""Rank 0's commands to the workers (msgpack via msgspec), in the order rank 0 runs them.
+
+Start-up: DetermineBlocks, AllocateKV, WarmupModel, CaptureGraphs (the same order on every
+rank, so each compiles and records the same bucket ladder, and the collectives inside them
+pair up); then one ExecuteStep per model step; Shutdown at the end. Workers answer nothing
+but health (WorkerFailed, just before a worker exits on an error).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from atom.engine.batch import StepBatch, StepRows
+
+NO_PENDING = -1  # ExecuteStep.pending: the step reads no previous step's sampled ids
+
+
+class ExecuteStep(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """A StepBatch by column (StepRows' fields), and the length of the previous step's sampled
+    ids that rank 0 broadcasts right after (the rows whose token is PENDING_TOKEN read them)."""
+
+    is_prefill: bool
+    logits_all: bool
+    request_ids: list[str]
+    token_ids: list[int]
+    num_tokens: list[int]
+    starts: list[int]
+    block_tables: list[list[int]]
+    pending_src: list[int | None]
+    samples: list[bool]
+    pending: int = NO_PENDING
+
+    @classmethod
+    def of(cls, batch: StepBatch, pending: int) -> ExecuteStep:
+        r = batch.rows
+        return cls(batch.is_prefill, batch.logits_all, r.request_ids, r.token_ids, r.num_tokens,
+                   r.starts, r.block_tables, r.pending_src, r.samples, pending)
+
+    def batch(self) -> StepBatch:
+        rows = StepRows(self.request_ids, self.token_ids, self.num_tokens, self.starts,
+                        self.block_tables, self.pending_src, self.samples)
+        return StepBatch(None, self.is_prefill, self.logits_all, rows=rows)
+
+
+class DetermineBlocks(msgspec.Struct, tag=True, array_like=True):
+    """Each rank sizes its KV cache (a profile run on CUDA); all take the smallest."""
+
+
+class AllocateKV(msgspec.Struct, tag=True, array_like=True):
+    num_blocks: int
+
+
+class WarmupModel(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class CaptureGraphs(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = ExecuteStep | DetermineBlocks | AllocateKV | WarmupModel | CaptureGraphs | Shutdown
+
+
+class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
+    """A worker's last word: why it is exiting (its log has the traceback)."""
+
+    rank: int
+    error: str
+
+
+def command_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Command)
+
+
+def health_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(WorkerFailed)
