@@ -9,6 +9,7 @@ the rank, and in-flight streams end with an error event, within seconds.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -16,12 +17,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from server_proc import REPO, TINY_SERVER_ARGS, Proc, start_server
 
 from atom.config import Config
+from atom.entrypoints.server import ServerState, create_app, health
 from atom.executor.checks import check_tensor_parallel
 
 MODEL = "tiny-llama"
@@ -146,6 +149,22 @@ def test_serve_with_more_ranks_than_gpus_exits_with_the_reason() -> None:
         proc.stop()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("atom.distributed.communication") is None,
+                    reason="the model does not shard yet (atom.distributed.communication): "
+                           "any size runs, unsharded")
+def test_a_size_that_does_not_divide_the_heads_is_a_clean_start_up_error() -> None:
+    """tiny-llama has 4 heads and 2 KV heads: 3 ranks cannot split them (the model's error,
+    raised on every rank; it must reach the log as one line and end the server)."""
+    proc = start_server("--tensor-parallel-size", "3", env=ENV)
+    try:
+        code = proc.proc.wait(180)
+        log = proc.log()
+        assert code != 0 and "Traceback" not in log, log
+        assert "start-up failed" in log or "tensor-parallel rank" in log, log
+    finally:
+        proc.stop()
+
+
 def test_killing_rank1_ends_the_server_and_every_stream() -> None:
     proc = start_server(*TP2, env=ENV)
     try:
@@ -190,3 +209,16 @@ def test_killing_rank1_ends_the_server_and_every_stream() -> None:
         assert not _pid_alive(rank1)
     finally:
         proc.stop()
+
+
+def test_health_names_the_dead_rank_while_the_server_exits() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    reason = "tensor-parallel rank 1 (pid 42) was killed by SIGKILL"
+    engine = SimpleNamespace(state="failed", reason=reason, is_ready=False, on_ready=[],
+                             last_stats={}, warmup_summary={})
+    state = ServerState(engine=engine, served_model_name=MODEL, model=MODEL, draining=True)
+    request = make_mocked_request("GET", "/health", app=create_app(state))
+    response = asyncio.run(health(request))
+    assert response.status == 503
+    assert json.loads(response.body) == {"status": "failed", "reason": reason}

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -26,7 +27,7 @@ from atom.executor.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
-JOIN_S = 10.0
+JOIN_S = 5.0  # for all workers together: one stuck in a collective is killed after it
 
 
 class RankFailed(RuntimeError):
@@ -110,8 +111,9 @@ class WorkerGroup:
                 r.commands.send_bytes(data)
             except OSError:
                 pass
+        deadline = time.monotonic() + timeout
         for r in self.ranks:
-            r.proc.join(timeout)
+            r.proc.join(max(0.0, deadline - time.monotonic()))
             if r.proc.is_alive():
                 logger.warning("tensor-parallel rank %d did not stop: killing it", r.rank)
                 r.proc.kill()

@@ -68,7 +68,10 @@ def worker_main(spec: WorkerSpec) -> None:
         logger.error("%s: exiting", exc)
         code = 1
     except BaseException as exc:
-        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        if isinstance(exc, ValueError):  # a bad setting (rank 0 says the same): one line
+            logger.error("tensor-parallel rank %d: %s", spec.rank, exc)
+        else:
+            logger.exception("tensor-parallel rank %d failed", spec.rank)
         try:
             spec.health.send_bytes(msgspec.msgpack.encode(
                 m.WorkerFailed(spec.rank, f"{type(exc).__name__}: {exc}")))
