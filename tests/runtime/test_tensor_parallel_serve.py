@@ -34,7 +34,10 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def _servers(*extra: str) -> Iterator[tuple[Proc, Proc]]:
-    one, two = start_server(*extra, env=ENV), start_server(*extra, *TP2, env=ENV)
+    # The TP server compares every step's logits across its ranks (a worker that ran another
+    # forward than rank 0's would end it): the unsharded workers' work is checked too.
+    one = start_server(*extra, env=ENV)
+    two = start_server(*extra, *TP2, env={**ENV, "ATOM_TP_CHECK_STEPS": "1"})
     try:
         one.wait_healthy(180)
         two.wait_healthy(180)
@@ -222,3 +225,34 @@ def test_health_names_the_dead_rank_while_the_server_exits() -> None:
     response = asyncio.run(health(request))
     assert response.status == 503
     assert json.loads(response.body) == {"status": "failed", "reason": reason}
+
+
+def test_one_rank_is_the_plain_model_runner() -> None:
+    """N = 1 keeps today's path: the engine drives a ModelRunner itself, no worker, no group."""
+    import multiprocessing
+
+    from atom.engine import LLMEngine
+    from atom.engine.model_runner import ModelRunner
+
+    engine = LLMEngine(Config(model=MODEL, load_format="dummy", dtype="float32", device="cpu",
+                              max_model_len=64, num_kv_blocks=16, max_num_seqs=2))
+    assert type(engine.runner) is ModelRunner
+    assert multiprocessing.active_children() == []
+    engine.shutdown()  # nothing to stop
+
+
+def test_a_step_message_carries_the_batch_exactly() -> None:
+    import msgspec
+
+    from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
+    from atom.executor import messages as m
+
+    batch = StepBatch([SeqRows("a", [5, 6, 7], 0, [3], None, True),
+                       SeqRows("b", [PENDING_TOKEN], 9, [1, 4], 1, True),
+                       SeqRows("c", [8, 9], 16, [2, 0], None, False)], is_prefill=True)
+    data = msgspec.msgpack.encode(m.ExecuteStep.of(batch, 2))
+    msg = m.command_decoder().decode(data)
+    assert isinstance(msg, m.ExecuteStep) and msg.pending == 2
+    back = msg.batch()
+    assert back.rows == batch.rows and back.is_prefill and not back.logits_all
+    assert back.seqs == batch.seqs

@@ -30,9 +30,16 @@ from atom.engine.model_runner import ModelRunner
 from atom.executor import messages as m
 from atom.executor.checks import check_tensor_parallel
 from atom.executor.ranks import GroupSpec, WorkerGroup
-from atom.executor.sync import broadcast_from_rank0, min_across_ranks, same_across_ranks
+from atom.executor.sync import (
+    broadcast_from_rank0,
+    logits_agree,
+    min_across_ranks,
+    same_across_ranks,
+)
 
 logger = logging.getLogger(__name__)
+
+CHECK_STEPS_ENV = "ATOM_TP_CHECK_STEPS"  # "1": every step's logits compared across ranks
 
 
 class ModelExecutor(Protocol):
@@ -84,7 +91,8 @@ class MultiprocExecutor:
         visible = torch.cuda.device_count() if device.startswith("cuda") else None
         check_tensor_parallel(config, device, visible)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-        spec = GroupSpec(config, n, local_init_method(), device, timeout_s, level)
+        check = os.environ.get(CHECK_STEPS_ENV) == "1"
+        spec = GroupSpec(config, n, local_init_method(), device, timeout_s, level, check)
         group = WorkerGroup(spec, on_fatal or exit_now)
         group.start()
         try:
@@ -143,7 +151,10 @@ class MultiprocExecutor:
         self._send(m.ExecuteStep.of(batch, n))
         if pending_tokens is not None:
             broadcast_from_rank0(pending_tokens)
-        return self.local.execute_model(batch, pending_tokens)
+        logits, sampled = self.local.execute_model(batch, pending_tokens)
+        if self.group.spec.check_steps and not logits_agree(logits, self.local.device):
+            raise RuntimeError("the tensor-parallel ranks computed different logits")
+        return logits, sampled
 
     def shutdown(self) -> None:
         self.group.close()

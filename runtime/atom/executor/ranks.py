@@ -50,6 +50,7 @@ class GroupSpec:
     device: str
     timeout_s: float
     log_level: str = "info"
+    check_steps: bool = False  # compare every step's logits across ranks (ATOM_TP_CHECK_STEPS)
 
 
 class WorkerGroup:
@@ -73,7 +74,8 @@ class WorkerGroup:
             cmd_r, cmd_w = ctx.Pipe(duplex=False)
             health_r, health_w = ctx.Pipe(duplex=False)
             wspec = WorkerSpec(s.config, rank, s.world_size, s.init_method, s.device,
-                               s.timeout_s, os.getpid(), cmd_r, health_w, s.log_level)
+                               s.timeout_s, os.getpid(), cmd_r, health_w, s.log_level,
+                               s.check_steps)
             # daemon: an exiting rank 0 (warmup, offline) takes its workers along
             proc = ctx.Process(target=worker_main, args=(wspec,), name=f"atom-tp-rank{rank}",
                                daemon=True)

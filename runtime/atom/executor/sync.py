@@ -25,3 +25,16 @@ def same_across_ranks(values: list[int], device: torch.device) -> bool:
     t = torch.tensor([h, -h], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t[0].item()) == h and int(t[1].item()) == -h
+
+
+def logits_agree(logits: torch.Tensor | None, device: torch.device) -> bool:
+    """Whether every rank that holds logits holds the same ones (by their float64 sum; a rank
+    whose model gathered them elsewhere passes None and cannot judge). A debugging check (tests):
+    one all-reduce a step."""
+    if logits is None:
+        t = torch.full((2,), float("-inf"), dtype=torch.float64, device=device)
+    else:
+        c = logits.double().sum()
+        t = torch.stack([c, -c])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return logits is None or bool(t[0] == -t[1])  # max == min over the ranks holding logits

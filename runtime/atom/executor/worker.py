@@ -24,7 +24,12 @@ from atom.distributed.parallel_state import destroy_tensor_parallel, init_tensor
 from atom.engine.model_runner import ModelRunner
 from atom.executor import messages as m
 from atom.executor.lifetime import die_with_parent
-from atom.executor.sync import broadcast_from_rank0, min_across_ranks, same_across_ranks
+from atom.executor.sync import (
+    broadcast_from_rank0,
+    logits_agree,
+    min_across_ranks,
+    same_across_ranks,
+)
 
 PARENT_POLL_S = 0.5
 
@@ -45,6 +50,7 @@ class WorkerSpec:
     commands: Connection
     health: Connection
     log_level: str = "info"
+    check_steps: bool = False  # compare each step's logits with rank 0's (sync.logits_agree)
 
 
 class RankZeroGone(RuntimeError):
@@ -134,4 +140,6 @@ class Worker:
                 self.pending = self.pending.new_zeros(msg.pending)
             pending = self.pending[: msg.pending]
             broadcast_from_rank0(pending)  # the previous step's sampled ids, from rank 0
-        self.runner.execute_model(msg.batch(), pending)  # logits unused: rank 0 samples
+        logits, _ = self.runner.execute_model(msg.batch(), pending)  # only rank 0 samples
+        if self.spec.check_steps and not logits_agree(logits, self.runner.device):
+            raise RuntimeError(f"rank {self.spec.rank}'s logits differ from rank 0's")
