@@ -242,17 +242,40 @@ def test_one_rank_is_the_plain_model_runner() -> None:
 
 
 def test_a_step_message_carries_the_batch_exactly() -> None:
+    """Unchanged block tables travel as None and are restored on the worker's side."""
     import msgspec
 
     from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
     from atom.executor import messages as m
 
-    batch = StepBatch([SeqRows("a", [5, 6, 7], 0, [3], None, True),
-                       SeqRows("b", [PENDING_TOKEN], 9, [1, 4], 1, True),
-                       SeqRows("c", [8, 9], 16, [2, 0], None, False)], is_prefill=True)
-    data = msgspec.msgpack.encode(m.ExecuteStep.of(batch, 2))
-    msg = m.command_decoder().decode(data)
-    assert isinstance(msg, m.ExecuteStep) and msg.pending == 2
-    back = msg.batch()
-    assert back.rows == batch.rows and back.is_prefill and not back.logits_all
-    assert back.seqs == batch.seqs
+    def step(tables: list[list[int]]) -> StepBatch:
+        return StepBatch([SeqRows("a", [5, 6, 7], 0, tables[0], None, True),
+                          SeqRows("b", [PENDING_TOKEN], 9, tables[1], 1, True),
+                          SeqRows("c", [8, 9], 16, tables[2], None, False)], is_prefill=True)
+
+    send, receive, dec = m.TableDelta(), m.TableDelta(), m.command_decoder()
+    grown = [3]  # the engine appends to a sequence's table in place
+    for tables, sent in (([grown, [1, 4], [2, 0]], [[3], [1, 4], [2, 0]]),
+                         ([grown, [1, 4], [2, 7]], [None, None, [2, 7]]),
+                         ([grown, [1, 4], [2, 7]], [[3, 9], None, None])):
+        if sent[0] == [3, 9]:
+            grown.append(9)
+        batch = step(tables)
+        msg = dec.decode(msgspec.msgpack.encode(m.ExecuteStep.of(batch, 2, send)))
+        assert isinstance(msg, m.ExecuteStep) and msg.pending == 2
+        assert msg.block_tables == sent
+        back = msg.batch(receive)
+        assert back.rows == batch.rows and back.is_prefill and not back.logits_all
+
+
+def test_sigterm_drains_and_stops_the_workers_cleanly() -> None:
+    proc = start_server(*TP2, env=ENV)
+    try:
+        proc.wait_healthy(180)
+        rank1 = _status(proc.url)["tp_pids"][1]
+        assert _complete(proc.url, "before the drain")["text"]
+        assert proc.terminate(60) == 0
+        assert "rank 1: shut down after" in proc.log()  # Shutdown reached it (not a kill)
+        assert not _pid_alive(rank1)
+    finally:
+        proc.stop()

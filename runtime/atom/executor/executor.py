@@ -79,6 +79,7 @@ class MultiprocExecutor:
         self.local, self.group = local, group
         self._enc = msgspec.msgpack.Encoder()
         self._buf = bytearray(64 * 1024)  # one step's encoding, reused
+        self._tables = m.TableDelta()
 
     @classmethod
     def start(cls, config: Any, hf_config: Any,
@@ -148,7 +149,7 @@ class MultiprocExecutor:
         if pending_tokens is not None and not pending_tokens.is_contiguous():
             pending_tokens = pending_tokens.contiguous()
         n = m.NO_PENDING if pending_tokens is None else int(pending_tokens.shape[0])
-        self._send(m.ExecuteStep.of(batch, n))
+        self._send(m.ExecuteStep.of(batch, n, self._tables))
         if pending_tokens is not None:
             broadcast_from_rank0(pending_tokens)
         logits, sampled = self.local.execute_model(batch, pending_tokens)

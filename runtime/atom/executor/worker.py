@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -60,8 +59,9 @@ class RankZeroGone(RuntimeError):
 def worker_main(spec: WorkerSpec) -> None:
     """The worker process' entry point."""
     die_with_parent(spec.parent_pid)
-    # Ctrl-C reaches the whole process group: the API server drains, rank 0 stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A process group of its own: a signal to the server's group (Ctrl-C, a supervisor's
+    # SIGTERM) is the API server's to drain on; rank 0 stops us, or we die with it.
+    os.setpgid(0, 0)
     logging.basicConfig(
         level=getattr(logging, spec.log_level.upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s",
@@ -98,6 +98,7 @@ class Worker:
         runner = ModelRunner(s.config)  # the model shards itself by tp_rank()/tp_size()
         device = runner.device
         self.runner = runner
+        self.tables = m.TableDelta()
         self.pending = torch.zeros(runner.max_num_seqs, dtype=torch.long, device=device)
         logger.info("rank %d of %d ready on %s", s.rank, s.world_size, device)
         dec = m.command_decoder()
@@ -140,6 +141,7 @@ class Worker:
                 self.pending = self.pending.new_zeros(msg.pending)
             pending = self.pending[: msg.pending]
             broadcast_from_rank0(pending)  # the previous step's sampled ids, from rank 0
-        logits, _ = self.runner.execute_model(msg.batch(), pending)  # only rank 0 samples
+        # The logits are only compared (check_steps), never sampled: rank 0 samples.
+        logits, _ = self.runner.execute_model(msg.batch(self.tables), pending)
         if self.spec.check_steps and not logits_agree(logits, self.runner.device):
             raise RuntimeError(f"rank {self.spec.rank}'s logits differ from rank 0's")
