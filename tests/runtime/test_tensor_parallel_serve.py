@@ -233,10 +233,12 @@ def test_one_rank_is_the_plain_model_runner() -> None:
 
     from atom.engine import LLMEngine
     from atom.engine.model_runner import ModelRunner
+    from atom.executor.executor import ModelExecutor
 
     engine = LLMEngine(Config(model=MODEL, load_format="dummy", dtype="float32", device="cpu",
                               max_model_len=64, num_kv_blocks=16, max_num_seqs=2))
     assert type(engine.runner) is ModelRunner
+    assert isinstance(engine.runner, ModelExecutor)  # the one-rank executor is the runner
     assert multiprocessing.active_children() == []
     engine.shutdown()  # nothing to stop
 

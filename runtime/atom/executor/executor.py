@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 CHECK_STEPS_ENV = "ATOM_TP_CHECK_STEPS"  # "1": every step's logits compared across ranks
 
 
+@runtime_checkable
 class ModelExecutor(Protocol):
     """The engine's runner calls that every rank runs (ModelRunner is the one-rank one)."""
 
