@@ -12,7 +12,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from server_proc import REPO, TINY_SERVER_ARGS, Proc, start_server
+from server_proc import REPO, TINY_SERVER_ARGS, Proc, kill_during_streams, start_server
 
 from atom.config import Config
 from atom.entrypoints.server import ServerState, create_app, health
@@ -173,32 +172,9 @@ def test_killing_rank1_ends_the_server_and_every_stream() -> None:
     try:
         proc.wait_healthy(180)
         rank1 = _status(proc.url)["tp_pids"][1]
-
-        async def one(c: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[str]:
-            body = {"model": MODEL, "prompt": f"long {i}", "max_tokens": 1900,
-                    "ignore_eos": True, "stream": True}
-            lines: list[str] = []
-            async with c.stream("POST", proc.url + "/v1/completions", json=body) as r:
-                try:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            started.set()
-                            lines.append(line)
-                except httpx.HTTPError as exc:  # a cut connection is a clear failure too
-                    lines.append(f"cut: {exc!r}")
-            return lines
-
-        async def run() -> tuple[list[list[str]], float]:
-            async with httpx.AsyncClient(timeout=60) as c:
-                flags = [asyncio.Event() for _ in range(4)]
-                tasks = [asyncio.create_task(one(c, i, flags[i])) for i in range(4)]
-                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 60)
-                os.kill(rank1, signal.SIGKILL)
-                t0 = time.monotonic()
-                ends = await asyncio.wait_for(asyncio.gather(*tasks), 15)
-                return ends, time.monotonic() - t0
-
-        streams, took = asyncio.run(run())
+        bodies = [{"model": MODEL, "prompt": f"long {i}", "max_tokens": 1900, "ignore_eos": True,
+                   "stream": True} for i in range(4)]
+        streams, took = kill_during_streams(proc.url, rank1, bodies)
         assert took < 10, took
         for lines in streams:
             errors = [json.loads(x[6:])["error"] for x in lines
