@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -139,3 +140,34 @@ def start_router(
         "atom-router",
         env,
     )
+
+
+def kill_during_streams(url: str, pid: int, bodies: Sequence[dict],
+                        timeout_s: float = 15.0) -> tuple[list[list[str]], float]:
+    """Open a stream per body, SIGKILL `pid` once each has sent data, and read them to their
+    end: each stream's `data:` lines (a last "cut: ..." when the connection broke), and the
+    seconds from the kill until every stream had ended."""
+
+    async def one(c: httpx.AsyncClient, body: dict, started: asyncio.Event) -> list[str]:
+        lines: list[str] = []
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            try:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        started.set()
+                        lines.append(line)
+            except httpx.HTTPError as exc:  # a cut connection is a clear failure too
+                lines.append(f"cut: {exc!r}")
+        return lines
+
+    async def run() -> tuple[list[list[str]], float]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            flags = [asyncio.Event() for _ in bodies]
+            tasks = [asyncio.create_task(one(c, b, f)) for b, f in zip(bodies, flags, strict=True)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 60)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            ends = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+            return ends, time.monotonic() - t0
+
+    return asyncio.run(run())

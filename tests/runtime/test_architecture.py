@@ -111,9 +111,14 @@ ALLOWED = {
         "cudagraph",
         "disagg",
         "spec_decode",
+        "executor",
         "utils",
         "config",
     },
+    # Beside the engine: the tensor-parallel executor wraps the runner the engine drives (the
+    # engine imports it only to build it for N > 1); it reaches the process group only
+    # through atom.distributed.parallel_state.
+    "executor": {"engine", "distributed", "config"},
     # Beside the engine: drafters and verification drive the runner and the block manager.
     "spec_decode": {"engine", "models", "cudagraph", "utils", "config"},
 }
@@ -182,3 +187,9 @@ def test_no_runtime_file_is_over_600_lines() -> None:
         if (n := len(f.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+def test_the_executor_reaches_the_group_only_through_parallel_state() -> None:
+    mods = {m for f in (RUNTIME / "executor").rglob("*.py") for m in _imports(f)
+            if _package(m) == "distributed"}
+    assert {m for m in mods if not m.startswith("atom.distributed.parallel_state")} == set()

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_proc import TINY_SERVER_ARGS, Proc, start_server
+from server_proc import TINY_SERVER_ARGS, Proc, kill_during_streams, start_server
 
 from atom.cli.args import build_parser
 from atom.cli.config import config_from_args
@@ -234,32 +234,9 @@ def test_core_death_fails_every_stream_quickly_and_the_server_exits_nonzero() ->
     try:
         proc.wait_healthy()
         core = status(proc.url)["core_pid"]
-
-        async def one(c: httpx.AsyncClient, i: int, started: asyncio.Event) -> str:
-            async with c.stream(
-                "POST", proc.url + "/v1/completions", json=_stream_forever(proc.url, i)
-            ) as r:
-                last = ""
-                try:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            started.set()
-                            last = line
-                except httpx.HTTPError as exc:  # a cut connection is a clear failure too
-                    return f"cut: {exc!r}"
-                return last
-
-        async def run() -> tuple[list[str], float]:
-            async with httpx.AsyncClient(timeout=60) as c:
-                flags = [asyncio.Event() for _ in range(12)]
-                tasks = [asyncio.create_task(one(c, i, flags[i])) for i in range(12)]
-                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 60)
-                os.kill(core, signal.SIGKILL)
-                t0 = time.monotonic()
-                ends = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-                return ends, time.monotonic() - t0
-
-        ends, took = asyncio.run(run())
+        bodies = [_stream_forever(proc.url, i) for i in range(12)]
+        streams, took = kill_during_streams(proc.url, core, bodies, timeout_s=10)
+        ends = [lines[-1] if lines else "" for lines in streams]
         assert took < 5, took
         for end in ends:
             assert (

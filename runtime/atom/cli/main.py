@@ -11,6 +11,7 @@ from typing import Any
 
 from atom.cli.args import build_parser
 from atom.cli.config import config_from_args
+from atom.executor.checks import check_tensor_parallel
 
 logger = logging.getLogger("atom.cli")
 
@@ -26,26 +27,33 @@ def _setup_logging(level: str) -> None:
 def run_serve(args: Any) -> int:
     from atom.entrypoints.launcher import run_serve as serve
 
-    return serve(args, config_from_args(args))
+    config = config_from_args(args)
+    check_tensor_parallel(config)  # before any process starts (the GPU count: in the core)
+    return serve(args, config)
 
 
 def run_warmup(args: Any) -> int:
     """Build the engine, compile and capture into the cache, print one JSON summary line."""
     from atom.engine import LLMEngine
-    from atom.entrypoints.info import config_info, graph_info
+    from atom.entrypoints.info import config_info, graph_info, parallel_info
     from atom.utils.counters import counters
 
     config = config_from_args(args)
+    check_tensor_parallel(config)
     t0 = time.monotonic()
     with counters.track() as delta:
         engine = LLMEngine(config)
-        t_built = time.monotonic()
-        summary = dict(engine.warmup() or {})
+        try:
+            t_built = time.monotonic()
+            summary = dict(engine.warmup() or {})
+        finally:
+            engine.shutdown()
     out = {
         "model": config.model,
         "role": config.role,
         **config_info(config),
         **graph_info(engine),
+        **parallel_info(engine),
         "build_seconds": round(t_built - t0, 3),
         "warmup_seconds": round(time.monotonic() - t_built, 3),
         "counters": delta,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,8 @@ class LaunchedStep:
 
 
 class LLMEngine:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, on_fatal: Callable[[str], None] | None = None) -> None:
+        """on_fatal(reason): a tensor-parallel rank died (default: exit the process)."""
         self.config = config
         self.hf_config = load_model_config(config.model)
         config.finalize_model_len(self.hf_config.max_position_embeddings)
@@ -71,7 +73,12 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window} "
                 "(sliding-window attention is not implemented): set max_model_len <= the window"
             )
-        self.runner = ModelRunner(config, self.hf_config)
+        if int(getattr(config, "tensor_parallel_size", 1) or 1) == 1:
+            self.runner = ModelRunner(config, self.hf_config)
+        else:  # ranks 1..N-1 in worker processes, mirroring this runner (atom.executor)
+            from atom.executor.executor import MultiprocExecutor
+
+            self.runner = MultiprocExecutor.start(config, self.hf_config, on_fatal)
         spec = getattr(config, "speculative_config", None)
         self.draft_runner = self._draft_runner(config) if spec is not None else None
         num_blocks = self.runner.determine_num_blocks()
@@ -114,6 +121,12 @@ class LLMEngine:
         self._arrival = itertools.count()
         self.warmed_up = False
         self.warmup_summary: dict[str, Any] = {}
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (one rank: nothing to stop)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _prefix_root(self) -> BlockHash:
         """Start of every block key: the model identity (as P/D compares it) and the dtype."""

@@ -65,3 +65,9 @@ def graph_info(engine: Any) -> dict[str, Any]:
     except Exception:  # introspection must never break /status
         return {}
     return {"effective_mode": stats.get("cudagraph_mode", "NONE"), "graphs": stats}
+
+
+def parallel_info(engine: Any) -> dict[str, Any]:
+    """/status: the tensor-parallel size and every rank's pid (rank 0 first: the core)."""
+    pids = getattr(getattr(engine, "runner", None), "tp_pids", None) or [os.getpid()]
+    return {"tensor_parallel_size": len(pids), "tp_pids": list(pids)}

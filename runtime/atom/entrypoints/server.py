@@ -145,9 +145,11 @@ def _json(body: Any, status: int = 200) -> web.Response:
 # ---- probes and introspection -------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    engine = state.engine
+    if engine.state == "failed":  # why, while the server exits (e.g. which TP rank died)
+        return _json({"status": "failed", "reason": engine.reason}, 503)
     if state.draining:
         return _json({"status": "draining", "reason": "server is shutting down"}, 503)
-    engine = state.engine
     if not engine.is_ready:
         return _json({"status": engine.state, "reason": engine.reason}, 503)
     if state.tokenizer is None:

@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50  # also how often held KV blocks are reclaimed while idle
 HEARTBEAT_S = 1.0
 BUSY_STATS_S = 0.25
+RANK_VERDICT_S = 1.0  # how long a failed step waits to learn whether a TP rank died
+FATAL_FLUSH_S = 0.5
 
 
 @dataclass
@@ -137,6 +139,12 @@ class EngineCore:
         finally:
             if self.kv is not None:
                 self.kv.close()
+            stop = getattr(self.engine, "shutdown", None)
+            if callable(stop):  # the tensor-parallel workers
+                try:
+                    stop()
+                except Exception:
+                    logger.warning("stopping the tensor-parallel workers failed", exc_info=True)
             for s in (self._in, self._wake_in, *self._outs):
                 s.close(linger=1000)
 
@@ -172,25 +180,57 @@ class EngineCore:
             gc.freeze()
             self._set_state("ready", "ready")
         except Exception as exc:
-            logger.exception("engine start-up failed")
+            rank = self._rank_failure()
+            if rank is not None:
+                self._set_state("failed", rank)
+                return 1
+            if isinstance(exc, ValueError):  # a bad setting, named by the message: no traceback
+                logger.error("engine start-up failed: %s", exc)
+            else:
+                logger.exception("engine start-up failed")
             self._set_state("failed", f"engine start-up failed: {exc}")
             return 1
         try:
             return self._loop()
         except Exception as exc:
+            rank = self._rank_failure()  # a dead rank breaks rank 0's collectives: say which
+            if rank is not None:
+                self._set_state("failed", rank)
+                return 1
             logger.error("engine step failed:\n%s", traceback.format_exc())
             self._set_state("failed", f"engine step failed: {exc}")
             return 1
 
+    def _rank_failure(self) -> str | None:
+        """Why a tensor-parallel rank died, if one did (its watcher may be a moment behind
+        the collective that failed on rank 0)."""
+        failure = getattr(getattr(self.engine, "runner", None), "failure", None)
+        return failure(RANK_VERDICT_S) if callable(failure) else None
+
+    def fatal(self, reason: str) -> None:
+        """A tensor-parallel rank died (called from the executor's watcher thread): tell every
+        API server, on sockets of this thread, and exit now: the step loop may be blocked
+        in a collective the dead rank will never join."""
+        data = encoder().encode(EngineStatus("failed", reason, os.getpid(), self.info))
+        for addr in self.endpoints.outputs:
+            s = self.context.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(addr)
+            s.send(data)
+        time.sleep(FATAL_FLUSH_S)  # os._exit skips the context's linger: let them go out
+        logging.shutdown()
+        os._exit(1)
+
     def _engine_info(self, warmup: dict[str, Any]) -> EngineInfo:
-        from atom.entrypoints.info import config_info, graph_info
+        from atom.entrypoints.info import config_info, graph_info, parallel_info
 
         config = getattr(self.engine, "config", None)
         hf = getattr(self.engine, "hf_config", None)
         return EngineInfo(
             max_model_len=int(getattr(config, "max_model_len", 0) or 0),
             vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
-            config=_jsonable(config_info(config)) if config is not None else {},
+            config=_jsonable({**config_info(config), **parallel_info(self.engine)})
+            if config is not None else {},
             graphs=_jsonable(graph_info(self.engine)),
             warmup=_jsonable(warmup),
             kv=self.kv.info() if self.kv is not None else None,

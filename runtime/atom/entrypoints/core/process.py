@@ -8,7 +8,6 @@ the drain and tells the core when to stop.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -19,20 +18,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from atom.entrypoints.core.engine_core import CoreEndpoints
+from atom.executor.lifetime import die_with_parent
+
+__all__ = ["die_with_parent"]  # its home is atom.executor.lifetime (TP workers use it too)
 
 logger = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent exits (Linux); exit now if it already has."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the loop's getppid() poll still guards
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def new_endpoints(num_api_servers: int) -> CoreEndpoints:
@@ -92,7 +82,8 @@ def core_main(spec: CoreSpec) -> None:
     def build() -> Any:
         from atom.engine import LLMEngine
 
-        return LLMEngine(spec.config)
+        # A dead tensor-parallel rank ends the core at once, reported as the reason
+        return LLMEngine(spec.config, on_fatal=core.fatal)
 
     core = EngineCore(build, spec.endpoints, zmq.Context(), parent_pid=spec.parent_pid)
     core.kv = CoreKV(spec.kv.service(), core.wake) if spec.kv is not None else None
