@@ -175,6 +175,21 @@ def _rank_model(rank: int, path: str) -> dict[str, Any]:
     }
 
 
+def _rank_compiled(rank: int, path: str) -> dict[str, Any]:
+    """Piecewise compilation (level 3, eager pieces: Inductor's CPU compile is the slow part
+    and not what is tested) of the sharded model, with its counters."""
+    from atom.utils.counters import counters
+
+    before = counters.snapshot()
+    cfg = _config(path, TP, level=3)
+    runner = ModelRunner(cfg, load_model_config(path))
+    runner.allocate_kv_cache(runner.determine_num_blocks())
+    logits, tokens = _greedy(runner)
+    return {"delta": counters.delta(before), "logits": logits, "tokens": tokens,
+            "cache_dir": cfg.compilation_config.local_cache_dir,
+            "layers": runner.hf_config.num_hidden_layers}
+
+
 def _rank_layers(rank: int) -> dict[str, float]:
     """Each sharded layer against its full fp32 twin (weights cut from the same tensors)."""
     with torch.no_grad():
@@ -297,6 +312,20 @@ def test_tp2_forward_and_greedy_decode_equal_tp1(tp_run) -> None:
         for step, (want, got) in enumerate(zip(logits, r["logits"], strict=True)):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
                                        msg=lambda m, s=step, k=rank: f"rank {k} step {s}: {m}")
+
+
+def test_piecewise_compiled_tp2_traces_the_collectives_whole(tmp_path) -> None:
+    """One Dynamo graph per rank (a graph break would hand the backend two), split only at
+    attention: the collectives sit inside the pieces. Each rank caches under rank_<i>."""
+    path = _checkpoint(str(tmp_path), "llama")
+    want_logits, want_tokens = _greedy(_runner(path, 1))
+    for rank, r in enumerate(_spawn(_rank_compiled, path)):
+        assert r["delta"].get("graphs_compiled") == 1, r["delta"]
+        assert r["delta"].get("pieces") == 2 * r["layers"] + 1, r["delta"]
+        assert f"{os.sep}rank_{rank}{os.sep}" in r["cache_dir"] + os.sep, r["cache_dir"]
+        assert r["tokens"] == want_tokens
+        for want, got in zip(want_logits, r["logits"], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_kv_cache_is_sharded_by_kv_head(tp_run) -> None:
