@@ -439,3 +439,28 @@ def test_every_recording_drains_the_watchdog_first() -> None:
     before = nccl_watchdog.drain_stats()["drains"]
     graph.record(lambda t: t * 2, [torch.ones(4, 3)], "decode")
     assert nccl_watchdog.drain_stats()["drains"] == before + 1
+
+
+def test_drain_waits_every_tracked_work_to_completion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NCCL the drain waits each eager collective until it has completed (not only until
+    the stream waits on it), and forgets them afterwards."""
+    class Work:
+        def __init__(self, polls: int) -> None:
+            self.polls, self.waited = polls, False
+
+        def wait(self) -> bool:
+            self.waited = True
+            return True
+
+        def is_completed(self) -> bool:
+            self.polls -= 1
+            return self.polls < 0
+
+    monkeypatch.setattr(nccl_watchdog, "tp_state",
+                        lambda: TPState(rank=0, world_size=2, backend="nccl"))
+    works = [Work(0), Work(3)]
+    for w in works:
+        nccl_watchdog.track(w)
+    assert nccl_watchdog.drain_nccl_works() == 2
+    assert all(w.waited and w.polls < 0 for w in works)
+    assert nccl_watchdog.pending_works() == 0 and nccl_watchdog.drain_nccl_works() == 0
