@@ -106,7 +106,6 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
-        split_evenly(cfg.intermediate_size, tp.world_size, tp.rank, "intermediate_size")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                            "up": cfg.intermediate_size},
                                          bias=cfg.mlp_bias, tp_size=tp.world_size,
