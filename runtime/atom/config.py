@@ -408,6 +408,10 @@ class Config:
         if self.speculative_config is not None:
             # Verify buckets of k + 1 rows are different captured (and compiled) work.
             out["speculative"] = self.speculative_config.hash_factors()
+        if self.tensor_parallel_size > 1:
+            # Shard shapes and collectives are other compiled code: never shared across TP
+            # sizes. Left out at 1 so single-GPU caches keep their key.
+            out["tensor_parallel_size"] = self.tensor_parallel_size
         return out
 
     def to_dict(self) -> dict[str, Any]:

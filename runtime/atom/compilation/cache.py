@@ -33,6 +33,12 @@ CACHE_INDEX_FILE = "vllm_compile_cache.py"
 
 
 def get_rank() -> int:
+    """This process's rank_<i> directory: its tensor-parallel rank when in a group of more than
+    one (each rank compiles its own shard shapes), else the launcher's RANK (0 by default)."""
+    from atom.distributed.parallel_state import tp_rank, tp_size
+
+    if tp_size() > 1:
+        return tp_rank()
     for var in ("RANK", "LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar, overload
 import torch
 
 from atom.cudagraph.pool import GRAPH_POOL, graph_pool
+from atom.distributed.nccl_watchdog import drain_nccl_works
 from atom.utils.counters import counters
 from atom.utils.forward_context import TokenGraphPass, get_forward_context
 
@@ -253,6 +254,9 @@ def record(
     recorder = recorder or CudaSegmentRecorder()
     if IN_PROGRESS.current is not None or recorder.is_capturing():
         raise RuntimeError("nested graph recording refused: a recording is already in progress")
+    # An eager collective still pending would be polled by the NCCL watchdog mid-capture
+    # (token and request graphs alike record through here).
+    drain_nccl_works()
     state = _ActiveRecording(recorder, breakable)
     recorder.enter()
     IN_PROGRESS.current = state

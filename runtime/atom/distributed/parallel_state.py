@@ -35,6 +35,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: s
     global _STATE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a tensor-parallel group of {world_size}")
+    check_visible_devices(world_size, device)
     if world_size > 1:
         backend = backend_for(device)
         if device.startswith("cuda"):
@@ -46,6 +47,15 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: s
         backend = "none"
     _STATE = TPState(rank=rank, world_size=world_size, backend=backend)
     return _STATE
+
+
+def check_visible_devices(world_size: int, device: str) -> None:
+    """On CUDA one GPU per rank: a group larger than the visible GPUs is refused up front."""
+    if world_size > 1 and device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if world_size > visible:
+            raise ValueError(f"tensor_parallel_size={world_size} exceeds the {visible} visible "
+                             "CUDA device(s) (CUDA_VISIBLE_DEVICES)")
 
 
 def destroy_tensor_parallel() -> None:

@@ -24,8 +24,11 @@ from atom.compilation.prefetch import CompilePrefetch
 from atom.config import CompilationLevel, Config
 from atom.cudagraph.region_graph import ReqGraph
 from atom.cudagraph.runner import GraphRunner
+from atom.distributed.communication import all_reduce_min
+from atom.distributed.parallel_state import tp_rank, tp_size
 from atom.engine.batch import PENDING_TOKEN, StepBatch, StepRows
 from atom.engine.host_staging import HostStaging
+from atom.layers.sharding import split_evenly
 from atom.models.loader import build_model
 from atom.models.registry import ModelConfig, load_model_config
 from atom.spec_decode.draft_graph import DraftGraph
@@ -122,10 +125,16 @@ class ModelRunner:
             "block_tables": (i32, (seqs, self.max_blocks_per_seq), 0),
         }, self.device)
 
+    def kv_heads_per_rank(self) -> int:
+        """This rank's KV heads: the cache is sharded by KV head under tensor parallelism."""
+        _, heads = split_evenly(self.hf_config.num_key_value_heads, tp_size(), tp_rank(),
+                                "num_key_value_heads")
+        return heads
+
     def kv_block_bytes(self) -> int:
         cfg = self.hf_config
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_hidden_layers * self.block_size * self.kv_heads_per_rank() * cfg.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """CPU: config.num_kv_blocks (default 512). GPU: free memory x utilisation after a profile run."""
@@ -144,7 +153,8 @@ class ModelRunner:
         used = total - free
         # Budget: utilisation x total, minus what is in use, minus the forward's transient peak.
         avail = total * float(self.config.gpu_memory_utilization) - used - (peak - current)
-        num_blocks = int(avail // self.kv_block_bytes())
+        # Every rank must hold the same blocks (the scheduler's block ids are global).
+        num_blocks = all_reduce_min(int(avail // self.kv_block_bytes()), self.device)
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache (gpu_memory_utilization="
@@ -158,7 +168,7 @@ class ModelRunner:
         """One extra block at index num_blocks is reserved for dummy and capture batches."""
         cfg = self.hf_config
         shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size,
-                 cfg.num_key_value_heads, cfg.head_dim)
+                 self.kv_heads_per_rank(), cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, (layer_id, layer) in enumerate(sorted(self.attn_layers.items())):
             layer.k_cache = self.kv_cache[0, i]

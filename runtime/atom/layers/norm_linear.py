@@ -68,12 +68,12 @@ def _norm_linear_fake(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 
 
 def _linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor, overlap: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None, overlap: bool = False) -> torch.Tensor:
     return project(x, weight, bias, residual=residual, overlap=overlap)
 
 
 def _linear_add_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     residual: torch.Tensor, overlap: bool = False) -> torch.Tensor:
+                     residual: torch.Tensor | None, overlap: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -92,8 +92,9 @@ def norm_linear(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module,
                                        overlap)
 
 
-def linear_add(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor,
+def linear_add(x: torch.Tensor, proj: torch.nn.Module, residual: torch.Tensor | None,
                overlap: bool = False) -> torch.Tensor:
     """residual + proj(x): the residual stream after an output projection (overlap: as for
-    norm_linear)."""
+    norm_linear). residual None: proj(x) alone (a row-parallel rank other than 0, whose
+    partial sum must not carry the stream a second time)."""
     return torch.ops.aiter.linear_add(x, proj.weight, proj.bias, residual, overlap)

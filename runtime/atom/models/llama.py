@@ -2,6 +2,12 @@
 
 One flat token dimension [T] for every step (prefill, decode or mixed): per-sequence
 structure lives only in the attention op's metadata, so the backbone traces as one graph.
+
+Tensor parallelism (atom.distributed, tp_size() > 1 when the group is set up before the model
+is built): q/k/v and gate/up are column-parallel (each rank its heads, KV heads and MLP
+columns), o_proj and down_proj row-parallel (a partial sum per rank, rank 0's carrying the
+residual stream and the bias, then one all-reduce), the embedding and the logits
+vocab-parallel. At TP = 1 the layers, kernels and fusions are those of the single GPU.
 """
 
 from __future__ import annotations
@@ -13,11 +19,18 @@ from torch import nn
 
 from atom.compilation.decorators import support_torch_compile
 from atom.cudagraph.region_graph import token_graph
+from atom.distributed.communication import (
+    tensor_parallel_all_gather,
+    tensor_parallel_all_reduce,
+)
+from atom.distributed.parallel_state import TPState, tp_state
 from atom.layers.attention import Attention
-from atom.layers.linear import Linear, MergedLinear
+from atom.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from atom.layers.norm_linear import linear_add, norm_linear, project
 from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
+from atom.layers.sharding import WeightTarget, split_evenly
+from atom.layers.vocab_embedding import VocabParallelEmbedding
 from atom.models.registry import ModelConfig
 
 
@@ -26,20 +39,37 @@ def _max_positions(atom_config: Any, hf_config: ModelConfig) -> int:
     return int(min(n, hf_config.max_position_embeddings) if n else hf_config.max_position_embeddings)
 
 
+def check_tensor_parallel(cfg: ModelConfig, tp: TPState) -> None:
+    """Every size split over the ranks must divide evenly: a ValueError naming the first that
+    does not (before any layer is built)."""
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                  "vocab_size"):
+        split_evenly(int(getattr(cfg, field)), tp.world_size, tp.rank, field)
+
+
 class LlamaAttention(nn.Module):
     """Attention's weights and the step between its projections (the decoder layer runs the
     projections, fused with the norm before and the residual add after)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding,
+                 tp: TPState) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        # This rank's heads and KV heads (all of them at TP = 1).
+        _, self.num_heads = split_evenly(cfg.num_attention_heads, tp.world_size, tp.rank,
+                                         "num_attention_heads")
+        _, self.num_kv_heads = split_evenly(cfg.num_key_value_heads, tp.world_size, tp.rank,
+                                            "num_key_value_heads")
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                       "v": self.kv_size}, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        full_q, full_kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": full_q, "k": full_kv, "v": full_kv},
+                                     bias=cfg.attention_bias, tp_size=tp.world_size,
+                                     tp_rank=tp.rank)
+        self.o_proj = RowParallelLinear(full_q, cfg.hidden_size, bias=cfg.o_proj_bias,
+                                        tp_size=tp.world_size, tp_rank=tp.rank,
+                                        field="num_attention_heads * head_dim")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -59,29 +89,39 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         # strided views: the kernels read rows by stride
-        return self.attn(q, k, v, positions, self.rotary_emb, o_proj=self.o_proj,
-                         residual=residual, overlap=True)
+        if self.tp.world_size == 1:
+            return self.attn(q, k, v, positions, self.rotary_emb, o_proj=self.o_proj,
+                             residual=residual, overlap=True)
+        # Row-parallel o_proj: rank 0's partial sum carries the residual (once), then the sum.
+        partial = self.attn(q, k, v, positions, self.rotary_emb, o_proj=self.o_proj,
+                            residual=residual if self.tp.rank == 0 else None, overlap=True)
+        return tensor_parallel_all_reduce(partial)
 
 
 class LlamaMLP(nn.Module):
     """The MLP's weights; the decoder layer runs them (gate_up with the norm and SiLU gate
     fused, down with the residual add)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPState) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                            "up": cfg.intermediate_size},
-                                         bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+                                         bias=cfg.mlp_bias, tp_size=tp.world_size,
+                                         tp_rank=tp.rank)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           bias=cfg.mlp_bias, tp_size=tp.world_size,
+                                           tp_rank=tp.rank, field="intermediate_size")
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding,
+                 tp: TPState) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb)
-        self.mlp = LlamaMLP(cfg)
+        self.tp = tp
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -96,7 +136,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn.attend(positions, qkv, hidden)
         act = norm_linear(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj,
                           gated=True, overlap=True)
-        return linear_add(act, self.mlp.down_proj, hidden, overlap=True)
+        if self.tp.world_size == 1:
+            return linear_add(act, self.mlp.down_proj, hidden, overlap=True)
+        partial = linear_add(act, self.mlp.down_proj, hidden if self.tp.rank == 0 else None,
+                             overlap=True)
+        return tensor_parallel_all_reduce(partial)
 
 
 @token_graph
@@ -108,13 +152,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = hf_config
         max_positions = _max_positions(atom_config, hf_config)
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        tp = tp_state()
+        check_tensor_parallel(hf_config, tp)
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(hf_config.vocab_size, hf_config.hidden_size) if tp.world_size == 1
+            else VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                        tp.world_size, tp.rank))
         # One cos/sin table for all layers: 16 copies of a 128K-position table would hold
         # half a GiB, and the decode kernels of later layers find the step's row in L2.
         self.rotary_emb = RotaryEmbedding(hf_config.head_dim, max_positions,
                                           hf_config.rope_theta, hf_config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, self.rotary_emb)
+            LlamaDecoderLayer(hf_config, i, self.rotary_emb, tp)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -132,8 +181,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.model = LlamaModel(atom_config=atom_config, hf_config=hf_config)
         self.tie_word_embeddings = hf_config.tie_word_embeddings
+        self.tp = tp_state()
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size)
+            # Vocab-parallel at TP > 1: this rank's rows of the vocabulary.
+            self.lm_head: Linear = (
+                Linear(hf_config.hidden_size, hf_config.vocab_size) if self.tp.world_size == 1
+                else ColumnParallelLinear(hf_config.hidden_size, hf_config.vocab_size,
+                                          tp_size=self.tp.world_size, tp_rank=self.tp.rank,
+                                          field="vocab_size"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -144,39 +199,46 @@ class LlamaForCausalLM(nn.Module):
         streams the vocabulary's rows (5 us a step under cuBLAS's on the H200, which also
         zeroes a workspace first: bench/RESULTS.md)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return project(hidden_states, weight, None)
+        # TP > 1: this rank's vocabulary columns, joined in rank order.
+        return tensor_parallel_all_gather(project(hidden_states, weight, None), dim=-1)
 
     def attention_layers(self) -> dict[int, Attention]:
         return {layer.self_attn.attn.layer_id: layer.self_attn.attn for layer in self.model.layers}
 
     def hf_weight_targets(self) -> dict[str, torch.Tensor]:
         """Hugging Face tensor name -> the tensor (or merged-weight view) it is copied into."""
-        out: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.model.embed_tokens.weight.data,
-            "model.norm.weight": self.model.norm.weight.data,
-        }
+        return {name: t.tensor for name, t in self.hf_weight_shards().items()}
+
+    def hf_weight_shards(self) -> dict[str, WeightTarget]:
+        """Hugging Face tensor name -> its target here, its full checkpoint shape and (at
+        TP > 1, for a sharded tensor) the slice of it this rank reads."""
+        def whole(name: str, t: torch.Tensor) -> dict[str, WeightTarget]:
+            return {name: WeightTarget(t.data, tuple(t.shape))}
+
+        embed = self.model.embed_tokens
+        out: dict[str, WeightTarget] = (
+            embed.weight_targets("model.embed_tokens") if isinstance(embed, VocabParallelEmbedding)
+            else whole("model.embed_tokens.weight", embed.weight))
+        out.update(whole("model.norm.weight", self.model.norm.weight))
         if not self.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.weight.data
+            out.update(self.lm_head.weight_targets("lm_head"))
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for shard in ("q", "k", "v"):
-                for kind, view in attn.qkv_proj.shard_views(shard).items():
-                    out[f"{p}self_attn.{shard}_proj.{kind}"] = view
-            out[f"{p}self_attn.o_proj.weight"] = attn.o_proj.weight.data
-            if attn.o_proj.bias is not None:
-                out[f"{p}self_attn.o_proj.bias"] = attn.o_proj.bias.data
+                for kind, target in attn.qkv_proj.shard_targets(shard).items():
+                    out[f"{p}self_attn.{shard}_proj.{kind}"] = target
+            out.update(attn.o_proj.weight_targets(f"{p}self_attn.o_proj"))
             if attn.qk_norm:
-                out[f"{p}self_attn.q_norm.weight"] = attn.q_norm.weight.data
-                out[f"{p}self_attn.k_norm.weight"] = attn.k_norm.weight.data
+                out.update(whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight))
+                out.update(whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight))
             for shard in ("gate", "up"):
-                for kind, view in mlp.gate_up_proj.shard_views(shard).items():
-                    out[f"{p}mlp.{shard}_proj.{kind}"] = view
-            out[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
-            if mlp.down_proj.bias is not None:
-                out[f"{p}mlp.down_proj.bias"] = mlp.down_proj.bias.data
-            out[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight.data
-            out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+                for kind, target in mlp.gate_up_proj.shard_targets(shard).items():
+                    out[f"{p}mlp.{shard}_proj.{kind}"] = target
+            out.update(mlp.down_proj.weight_targets(f"{p}mlp.down_proj"))
+            out.update(whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight))
+            out.update(whole(f"{p}post_attention_layernorm.weight",
+                             layer.post_attention_layernorm.weight))
         return out
 
 

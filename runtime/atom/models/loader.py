@@ -3,6 +3,11 @@
 Tensor names are Hugging Face's; the model says where each one goes (`hf_weight_targets`).
 Every expected tensor is checked against the checkpoint's headers before anything is copied,
 so a missing or misshapen tensor fails fast with its name, file and shapes.
+
+Under tensor parallelism a rank reads only its slice of each sharded tensor
+(`safe_open(...).get_slice(name)[...]`), after checking the full tensor's shape; dummy
+weights are cut from the full tensor a single rank would draw, so TP ranks hold exactly the
+TP = 1 values.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from atom.distributed.parallel_state import tp_size
+from atom.layers.sharding import WeightTarget, cut
 from atom.models.llama import LlamaForCausalLM
 from atom.models.registry import ModelConfig
 
@@ -65,7 +72,7 @@ def safetensors_files(path: str) -> dict[str, str]:
     return out
 
 
-def _check_shapes(targets: dict[str, torch.Tensor], where: dict[str, str]) -> None:
+def _check_shapes(targets: dict[str, WeightTarget], where: dict[str, str]) -> None:
     missing = [name for name in targets if name not in where]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -77,7 +84,7 @@ def _check_shapes(targets: dict[str, torch.Tensor], where: dict[str, str]) -> No
         with safe_open(fname, framework="pt") as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
-                want = tuple(targets[name].shape)
+                want = tuple(targets[name].full_shape)
                 if shape != want:
                     raise WeightLoadError(
                         f"tensor {name!r} in {os.path.basename(fname)} has shape {list(shape)}, "
@@ -85,9 +92,19 @@ def _check_shapes(targets: dict[str, torch.Tensor], where: dict[str, str]) -> No
                     )
 
 
+def _read(f: Any, name: str, target: WeightTarget) -> torch.Tensor:
+    """The tensor, or only this rank's slice of it (the rest of the file is never read)."""
+    if target.shard is None:
+        return f.get_tensor(name)
+    index = [slice(None)] * len(target.full_shape)
+    index[target.shard.dim] = slice(target.shard.start, target.shard.start + target.shard.length)
+    return f.get_slice(name)[tuple(index)]
+
+
 def load_safetensors(model: LlamaForCausalLM, path: str) -> int:
-    """Copy every expected tensor into the model; returns how many were loaded."""
-    targets = model.hf_weight_targets()
+    """Copy every expected tensor (this rank's slice of a sharded one) into the model;
+    returns how many were loaded."""
+    targets = model.hf_weight_shards()
     where = safetensors_files(path)
     _check_shapes(targets, where)
     by_file: dict[str, list[str]] = {}
@@ -97,8 +114,8 @@ def load_safetensors(model: LlamaForCausalLM, path: str) -> int:
         for fname, names in by_file.items():
             with safe_open(fname, framework="pt") as f:
                 for name in names:
-                    dst = targets[name]
-                    dst.copy_(f.get_tensor(name).to(device=dst.device, dtype=dst.dtype))
+                    dst = targets[name].tensor
+                    dst.copy_(_read(f, name, targets[name]).to(device=dst.device, dtype=dst.dtype))
     unused = sorted(set(where) - set(targets) - {"lm_head.weight"})
     if unused:
         logger.info("ignored %d checkpoint tensors not used by the model, e.g. %s", len(unused), unused[0])
@@ -106,7 +123,8 @@ def load_safetensors(model: LlamaForCausalLM, path: str) -> int:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights with a sane scale (finite logits in bf16); norms stay at one."""
+    """Random weights with a sane scale (finite logits in bf16); norms stay at one. A shard
+    (tp_pieces) is cut from the full tensor drawn as at TP = 1, in the same order."""
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -117,11 +135,21 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             else:
                 # Generated on the parameter's device: a 1B model in seconds on a GPU.
                 gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-                p.normal_(0.0, 0.02, generator=gen)
+                full_shape = getattr(p, "tp_full_shape", None)
+                if full_shape is None:
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:
+                    full = torch.empty(full_shape, dtype=p.dtype, device=p.device)
+                    p.copy_(cut(full.normal_(0.0, 0.02, generator=gen), p))
 
 
 def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
     """Construct on the config's device and dtype, then load or randomise the weights."""
+    want_tp = int(getattr(config, "tensor_parallel_size", 1))
+    if want_tp != tp_size():
+        raise ValueError(f"tensor_parallel_size={want_tp} but this process's tensor-parallel "
+                         f"group has {tp_size()} rank(s): call "
+                         "atom.distributed.parallel_state.init_tensor_parallel first")
     dtype = resolve_dtype(config.dtype, hf_config)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     load_format = getattr(config, "load_format", "auto")
