@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -256,4 +257,27 @@ def test_sigterm_drains_and_stops_the_workers_cleanly() -> None:
         assert "rank 1: shut down after" in proc.log()  # Shutdown reached it (not a kill)
         assert not _pid_alive(rank1)
     finally:
+        proc.stop()
+
+
+def test_a_stuck_rank_times_out_its_collective_and_ends_the_server() -> None:
+    """A rank alive but stopped (SIGSTOP) is no death its watcher sees: rank 0's next
+    collective times out (ATOM_TP_COLLECTIVE_TIMEOUT_S after warm-up) and ends the server."""
+    proc = start_server(*TP2, env={**ENV, "ATOM_TP_COLLECTIVE_TIMEOUT_S": "3"})
+    rank1 = None
+    try:
+        proc.wait_healthy(180)
+        rank1 = _status(proc.url)["tp_pids"][1]
+        os.kill(rank1, signal.SIGSTOP)
+        t0 = time.monotonic()
+        r = httpx.post(proc.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "engine_unavailable" and "Timed out" in err["message"], err
+        assert proc.proc.wait(30) != 0
+        assert time.monotonic() - t0 < 30
+    finally:
+        if rank1 is not None and _pid_alive(rank1):
+            os.kill(rank1, signal.SIGCONT)
         proc.stop()

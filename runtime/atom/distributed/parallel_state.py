@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective stuck longer than this ends the server, never a hang
+# Until warm-up ends: one rank may compile cold while another loads its cache, and their first
+# collective inside the compiled forward must not time out over that difference.
+STARTUP_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,14 @@ def check_visible_devices(world_size: int, device: str) -> None:
         if world_size > visible:
             raise ValueError(f"tensor_parallel_size={world_size} exceeds the {visible} visible "
                              "CUDA device(s) (CUDA_VISIBLE_DEVICES)")
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Every later collective of the group fails after timeout_s (no-op for one rank)."""
+    if _STATE.world_size > 1:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
 
 
 def destroy_tensor_parallel() -> None:

@@ -22,8 +22,10 @@ import torch
 
 from atom.distributed.parallel_state import (
     DEFAULT_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
     destroy_tensor_parallel,
     init_tensor_parallel,
+    set_collective_timeout,
 )
 from atom.engine.batch import StepBatch
 from atom.engine.model_runner import ModelRunner
@@ -40,6 +42,7 @@ from atom.executor.sync import (
 logger = logging.getLogger(__name__)
 
 CHECK_STEPS_ENV = "ATOM_TP_CHECK_STEPS"  # "1": every step's logits compared across ranks
+TIMEOUT_ENV = "ATOM_TP_COLLECTIVE_TIMEOUT_S"  # after warm-up (default DEFAULT_TIMEOUT_S)
 
 
 @runtime_checkable
@@ -85,9 +88,11 @@ class MultiprocExecutor:
     @classmethod
     def start(cls, config: Any, hf_config: Any,
               on_fatal: Callable[[str], None] | None = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> MultiprocExecutor:
+              timeout_s: float | None = None) -> MultiprocExecutor:
         """Spawn the workers, join the group as rank 0, build rank 0's runner. config must
         be final (the workers build theirs from a copy). on_fatal(reason): a rank died."""
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
         n = int(config.tensor_parallel_size)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         visible = torch.cuda.device_count() if device.startswith("cuda") else None
@@ -98,7 +103,7 @@ class MultiprocExecutor:
         group = WorkerGroup(spec, on_fatal or exit_now)
         group.start()
         try:
-            init_tensor_parallel(0, n, spec.init_method, device, timeout_s)
+            init_tensor_parallel(0, n, spec.init_method, device, STARTUP_TIMEOUT_S)
             local = ModelRunner(config, hf_config)
         except BaseException:
             group.close()
@@ -141,6 +146,7 @@ class MultiprocExecutor:
         seconds, sizes = self.local.capture_cudagraph()
         if not same_across_ranks(list(sizes), self.local.device):
             raise RuntimeError(f"the ranks captured different buckets (rank 0: {sizes})")
+        set_collective_timeout(self.group.spec.timeout_s)  # warm-up is over (the workers too)
         return seconds, sizes
 
     def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,

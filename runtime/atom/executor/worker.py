@@ -19,7 +19,12 @@ from typing import Any
 import msgspec
 import torch
 
-from atom.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from atom.distributed.parallel_state import (
+    STARTUP_TIMEOUT_S,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    set_collective_timeout,
+)
 from atom.engine.model_runner import ModelRunner
 from atom.executor import messages as m
 from atom.executor.lifetime import die_with_parent
@@ -94,7 +99,8 @@ class Worker:
 
     def run(self) -> None:
         s = self.spec
-        init_tensor_parallel(s.rank, s.world_size, s.init_method, s.device, s.timeout_s)
+        # The long start-up timeout until capture ends (parallel_state.STARTUP_TIMEOUT_S).
+        init_tensor_parallel(s.rank, s.world_size, s.init_method, s.device, STARTUP_TIMEOUT_S)
         runner = ModelRunner(s.config)  # the model shards itself by tp_rank()/tp_size()
         device = runner.device
         self.runner = runner
@@ -118,6 +124,7 @@ class Worker:
                 _, sizes = runner.capture_cudagraph()
                 if not same_across_ranks(list(sizes), device):
                     raise RuntimeError(f"rank {s.rank} captured buckets {sizes}, not rank 0's")
+                set_collective_timeout(s.timeout_s)
             elif isinstance(msg, m.Shutdown):
                 logger.info("rank %d: shut down after %d steps", s.rank, steps)
                 destroy_tensor_parallel()
