@@ -26,7 +26,7 @@ from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import gather_blocks, layout_of_cache
 from atom.disagg.layout import KVLayout
 from atom.disagg.metrics import KVMetrics
-from atom.disagg.negotiate import Offer, negotiate, same_host_gpu_reason
+from atom.disagg.negotiate import Offer, auto_nccl_reason, negotiate, same_host_gpu_reason
 from atom.disagg.peer import PeerFacts
 from atom.disagg.registry import TransportSet, TransportUnavailable
 from atom.disagg.server import KVServer, KVSource
@@ -197,6 +197,36 @@ def test_same_host_rules_for_the_gpu_transports() -> None:
     assert "one process" in same_host_gpu_reason(IPC, PREFILL, PREFILL)
     cpu = PeerFacts("host-1", 200)
     assert "not on a GPU" in same_host_gpu_reason(IPC, PREFILL, cpu)
+    # pods of one node: the same pid in two pid namespaces is two processes (instance ids)
+    pod_a = PeerFacts("host-1", 7, "GPU-a", GPUS, instance="a1")
+    pod_b = PeerFacts("host-1", 7, "GPU-b", GPUS, instance="b2")
+    assert same_host_gpu_reason(IPC, pod_a, pod_b) is None
+    assert "one process" in same_host_gpu_reason(IPC, pod_a, pod_a)
+
+
+class FakeNcclReach:
+    """nccl's negotiation rules only (no bytes move in these tests)."""
+
+    name = NCCL
+
+    def why_unavailable(self, local: PeerFacts) -> str | None:
+        return None
+
+    def why_unreachable(self, local: PeerFacts, peer: PeerFacts) -> str | None:
+        return same_host_gpu_reason(self.name, local, peer)
+
+
+def test_auto_takes_nccl_only_where_it_can_go_gpu_to_gpu() -> None:
+    # one GPU per pod: under auto nccl would take its socket path, so tcp is chosen
+    hidden = PeerFacts("host-1", 200, "GPU-b", ("GPU-b",))
+    assert "socket path" in auto_nccl_reason(NCCL, PREFILL, hidden)
+    assert auto_nccl_reason(NCCL, PREFILL, DECODE) is None  # the decode sees GPU-a
+    assert auto_nccl_reason(IPC, PREFILL, hidden) is None  # a rule for nccl alone
+    local = TransportSet(TransportMode.parse("auto"), PREFILL, {NCCL: FakeNcclReach()})
+    d = local.decide(Offer((NCCL, TCP), hidden))
+    assert d.chosen == TCP and "socket path" in d.refused[NCCL]
+    forced = TransportSet(TransportMode.parse("nccl"), PREFILL, {NCCL: FakeNcclReach()})
+    assert forced.decide(Offer((NCCL,), hidden)).chosen == NCCL  # the user knows the node
 
 
 def test_offer_round_trip_and_malformed_offers() -> None:

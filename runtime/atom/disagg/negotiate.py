@@ -105,10 +105,21 @@ def same_host_gpu_reason(name: TransportName, local: PeerFacts, peer: PeerFacts)
         return "the decode instance's KV cache is not on a GPU"
     if peer.host_id != local.host_id:
         return "the instances run on different hosts (boot_id differs)"
-    if peer.pid == local.pid:
+    if local.same_process(peer):
         return "both sides are one process"
     if name == TransportName.CUDA_IPC and local.gpu_uuid not in peer.visible_gpus:
         return f"the decode instance cannot see GPU {local.gpu_uuid} (it sees {len(peer.visible_gpus)} GPU(s))"
     if name == TransportName.NCCL and local.gpu_uuid == peer.gpu_uuid:
         return "both KV caches are on one GPU (NCCL needs two)"
+    return None
+
+
+def auto_nccl_reason(name: TransportName, local: PeerFacts, peer: PeerFacts) -> str | None:
+    """Under `auto`, nccl only where NCCL can go GPU to GPU: the decode process sees this GPU.
+    Pods with one GPU each (the device plugin's usual grant) share no GPU and no /dev/shm, so
+    NCCL would take its socket path, no faster than tcp and with a communicator to build per
+    pair first. A forced `--kv-transport nccl` skips this rule (the user knows the node)."""
+    if name == TransportName.NCCL and local.gpu_uuid not in peer.visible_gpus:
+        return (f"under auto, only where NCCL can go GPU to GPU (the decode instance does not "
+                f"see GPU {local.gpu_uuid}; NCCL's socket path is no faster than tcp)")
     return None

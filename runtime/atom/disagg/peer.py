@@ -7,10 +7,12 @@ Pure data here; `local_facts` reads this process' host and GPUs (torch imported 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+INSTANCE = secrets.token_hex(8)  # this process' id in handshakes
 _HOST_ID_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id")
 
 
@@ -20,6 +22,15 @@ class PeerFacts:
     pid: int
     gpu_uuid: str | None = None  # the GPU its KV cache is on; None: the cache is on the CPU
     visible_gpus: tuple[str, ...] = field(default_factory=tuple)  # UUIDs this process can open
+    # Random per process: pids repeat across the pid namespaces of one host's pods (pid 1...).
+    instance: str = ""
+
+    def same_process(self, other: PeerFacts) -> bool:
+        if self.host_id != other.host_id:
+            return False
+        if self.instance and other.instance:
+            return self.instance == other.instance
+        return self.pid == other.pid  # a peer that sent no instance id
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -27,6 +38,7 @@ class PeerFacts:
             "pid": self.pid,
             "gpu_uuid": self.gpu_uuid,
             "visible_gpus": list(self.visible_gpus),
+            "instance": self.instance,
         }
 
     @classmethod
@@ -36,6 +48,7 @@ class PeerFacts:
             raise ValueError("transport.peer must be an object")
         host, pid, gpu = data.get("host_id"), data.get("pid"), data.get("gpu_uuid")
         gpus = data.get("visible_gpus", [])
+        instance = data.get("instance", "")
         if not isinstance(host, str) or not host:
             raise ValueError("transport.peer.host_id must be a non-empty string")
         if not isinstance(pid, int) or isinstance(pid, bool):
@@ -44,7 +57,9 @@ class PeerFacts:
             raise ValueError("transport.peer.gpu_uuid must be a string or null")
         if not isinstance(gpus, list) or not all(isinstance(g, str) for g in gpus):
             raise ValueError("transport.peer.visible_gpus must be a list of strings")
-        return cls(host[:128], pid, gpu, tuple(g[:64] for g in gpus[:64]))
+        if not isinstance(instance, str):
+            raise ValueError("transport.peer.instance must be a string")
+        return cls(host[:128], pid, gpu, tuple(g[:64] for g in gpus[:64]), instance[:64])
 
 
 def host_id() -> str:
@@ -77,4 +92,4 @@ def local_facts(device: Any) -> PeerFacts:
     gpu = None
     if dev.type == "cuda" and visible:
         gpu = visible[dev.index if dev.index is not None else torch.cuda.current_device()]
-    return PeerFacts(host_id(), os.getpid(), gpu, tuple(visible))
+    return PeerFacts(host_id(), os.getpid(), gpu, tuple(visible), INSTANCE)

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom.disagg.negotiate import Decision, Offer, local_accept, negotiate
-from atom.disagg.peer import PeerFacts
+from atom.disagg.negotiate import Decision, Offer, auto_nccl_reason, local_accept, negotiate
+from atom.disagg.peer import INSTANCE, PeerFacts
 from atom.disagg.transport import (
     FAST,
     KVTransport,
@@ -68,7 +68,10 @@ class TransportSet:
         why = self.why_unavailable(name)
         if why is not None or name == TransportName.TCP:
             return why
-        return self.fast[name].why_unreachable(self.local, peer)
+        why = self.fast[name].why_unreachable(self.local, peer)
+        if why is None and self.mode.forced is None:
+            why = auto_nccl_reason(name, self.local, peer)
+        return why
 
     def get(self, name: TransportName) -> KVTransport:
         return self.fast[name]
@@ -101,4 +104,4 @@ def tcp_only() -> TransportSet:
     """What an instance without fast transports (no CUDA, or tests) negotiates with: TCP."""
     from atom.disagg.peer import host_id
 
-    return TransportSet(TransportMode(), PeerFacts(host_id(), os.getpid()))
+    return TransportSet(TransportMode(), PeerFacts(host_id(), os.getpid(), instance=INSTANCE))
