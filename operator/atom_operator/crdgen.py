@@ -143,7 +143,6 @@ def build_crd() -> dict[str, Any]:
                     "additionalPrinterColumns": [
                         {"name": "Level", "type": "integer", "jsonPath": ".spec.compilation.level"},
                         {"name": "Mode", "type": "string", "jsonPath": ".status.graphMode"},
-                        {"name": "TP", "type": "string", "jsonPath": ".status.tensorParallel"},
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {
@@ -152,6 +151,9 @@ def build_crd() -> dict[str, Any]:
                             "jsonPath": '.status.conditions[?(@.type=="Degraded")].reason',
                         },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                        # -o wide only: TP is 1 for most objects, the default view stays short.
+                        {"name": "TP", "type": "string", "priority": 1,
+                         "jsonPath": ".status.tensorParallel"},
                     ],
                 }
             ],

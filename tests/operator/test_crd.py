@@ -37,8 +37,9 @@ def test_names_subresources_and_columns() -> None:
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Level", "Mode", "TP", "Ready", "Phase", "Reason", "Age"]
-    reason = version["additionalPrinterColumns"][5]
+    assert columns == ["Level", "Mode", "Ready", "Phase", "Reason", "Age", "TP"]
+    assert version["additionalPrinterColumns"][6]["priority"] == 1  # -o wide
+    reason = version["additionalPrinterColumns"][4]
     assert reason["jsonPath"] == '.status.conditions[?(@.type=="Degraded")].reason'
 
 
