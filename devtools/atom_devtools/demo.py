@@ -216,7 +216,10 @@ def wait_ready(
         if is_ready(obj):
             return obj
         if time.monotonic() > deadline:
-            raise TimeoutError(f"atomd/{name} not Ready after {timeout}s: {line}")
+            degraded = [c for c in obj.get("status", {}).get("conditions", [])
+                        if c.get("type") == "Degraded" and c.get("status") == "True"]
+            why = f" ({degraded[0].get('message', '')})" if degraded else ""
+            raise TimeoutError(f"atomd/{name} not Ready after {timeout}s: {line}{why}")
         time.sleep(1)
 
 
