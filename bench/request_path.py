@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, archived_runtime, git_commit, long_tiny_llama  # noqa: E402
 
 MAX_LEN = 8192
+NUM_KV_BLOCKS = 4 * MAX_LEN // 16  # room for the cached prompt and the first ones beside it
 SERVED = "bench"
 # Stages in path order; the step's parts are timed inside LLMEngine.step (wrappers).
 API_IN = ("parse_json", "validate_tokenize", "params_encode")
@@ -218,7 +219,7 @@ def _config(model_dir: Path) -> Any:
     from atom.config import Config
 
     return Config(model=str(model_dir), load_format="dummy", dtype="float32", device="cpu",
-                  max_model_len=MAX_LEN, num_kv_blocks=4 * MAX_LEN // 16, max_num_seqs=8,
+                  max_model_len=MAX_LEN, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=8,
                   seed=0, compilation_config={"level": 0})  # fmt: skip
 
 
@@ -279,8 +280,10 @@ def table(results: dict[str, Any], lens: list[int]) -> str:
         lines.append(row + f"   {share:6.1%}")
     lines.append("steps_to_first_tok  " + "".join(
         f"{results[n][m]['steps_to_first_token']:13.0f}" for n, m in cols))  # fmt: skip
-    lines.append(f"(us: median wall; * share of the {max(lens)}/cached total; prefix_lookup is "
-                 "inside schedule, json_body replaces first_sse_chunk when not streamed)")
+    lines.append(
+        f"(us: median wall; * share of the {max(lens)}/cached total; prefix_lookup is "
+        "inside schedule, json_body replaces first_sse_chunk when not streamed)"
+    )
     return "\n".join(lines)
 
 
@@ -293,11 +296,12 @@ def e2e(model_dir: Path, lens: list[int], repeats: int) -> dict[str, Any]:
 
     server = start_server("--model", str(model_dir), "--load-format", "dummy", "--level", "0",
                           "--dtype", "float32", "--max-model-len", str(MAX_LEN),
-                          "--served-model-name", SERVED)  # fmt: skip
+                          "--served-model-name", SERVED, "--num-kv-blocks", str(NUM_KV_BLOCKS))  # fmt: skip
     try:
         server.wait_healthy(180)
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         rng = random.Random(1)
+        hits: list[int] = []
 
         def post(text: str) -> float:
             body = json.dumps({"model": SERVED, "prompt": text, "max_tokens": 1,
@@ -305,10 +309,11 @@ def e2e(model_dir: Path, lens: list[int], repeats: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
-            resp.read()
+            data = resp.read()
             dt = time.perf_counter() - t0
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}")
+            hits.append(json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"])
             return dt * 1e6
 
         for _ in range(3):
@@ -321,6 +326,8 @@ def e2e(model_dir: Path, lens: list[int], repeats: int) -> dict[str, Any]:
             for _ in range(repeats):
                 first.append(post(prompt_text(rng, n)))
                 cached.append(post(same))
+            if min(hits[-1::-2]) < (n - 1) // 16 * 16:  # every cached request hit in full
+                raise RuntimeError(f"a repeated {n}-token prompt missed the cache: {hits}")
             served[str(n)] = {"first": statistics.median(first),
                               "cached": statistics.median(cached)}  # fmt: skip
     finally:
@@ -329,8 +336,11 @@ def e2e(model_dir: Path, lens: list[int], repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in map(str, lens):
         out[n] = {
-            m: {"ttft_us": round(served[n][m], 1), "engine_steps_us": round(engine[n][m], 1),
-                "remainder_us": round(served[n][m] - engine[n][m], 1)}  # fmt: skip
+            m: {
+                "ttft_us": round(served[n][m], 1),
+                "engine_steps_us": round(engine[n][m], 1),
+                "remainder_us": round(served[n][m] - engine[n][m], 1),
+            }  # fmt: skip
             for m in ("first", "cached")
         }
     return out
