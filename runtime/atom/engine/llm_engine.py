@@ -34,6 +34,7 @@ from atom.engine.sampled_copy import SampledCopier, SampledCopy
 from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from atom.engine.token_check import out_of_vocab
 from atom.models.registry import load_model_config
 from atom.spec_decode.config import SpecMethod
 from atom.spec_decode.decoder import SpecDecoder
@@ -240,7 +241,7 @@ class LLMEngine:
                 f"prompt has {n} tokens, more than max_model_len={self.config.max_model_len}"
             )
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = out_of_vocab(prompt_token_ids, vocab)
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:3]}")
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrival))
