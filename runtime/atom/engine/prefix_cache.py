@@ -52,17 +52,16 @@ def hash_blocks(
     extra key extras[i]), chained from `parent`: the same keys, with the ids converted to
     bytes once for all the blocks rather than a list slice and an array per block (a
     4,096-token prompt: 256 blocks, hashed at every request, cached or not)."""
-    data = memoryview(array("q", token_ids[: len(extras) * block_size]).tobytes())
+    data = array("q", token_ids[: len(extras) * block_size]).tobytes()
     step = 8 * block_size
+    sha256 = hashlib.sha256
     out: list[BlockHash] = []
     header, last_extra = b"", None
     for i, extra in enumerate(extras):
         if extra is not last_extra:  # one salt for every block, as a rule
             header, last_extra = len(extra).to_bytes(4, "little") + extra, extra
-        h = hashlib.sha256(parent)
-        h.update(header)
-        h.update(data[i * step : (i + 1) * step])
-        parent = BlockHash(h.digest())
+        # One call on the joined bytes (a few hundred): half the time of update() calls.
+        parent = BlockHash(sha256(parent + header + data[i * step : (i + 1) * step]).digest())
         out.append(parent)
     return out
 
