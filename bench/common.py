@@ -180,3 +180,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def long_tiny_llama(directory: Path, max_position_embeddings: int = 8192) -> Path:
+    """A config.json directory of tiny-llama's shape that takes longer prompts than its 2,048
+    positions (dummy weights; no tokenizer.json, so the server's tokenizer is byte-level)."""
+    import json
+
+    from atom.models.registry import BUILTIN_SHAPES
+
+    shape = BUILTIN_SHAPES["tiny-llama"].to_dict()
+    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id")  # fmt: skip
+    data = {k: shape[k] for k in keep}
+    data["max_position_embeddings"] = max_position_embeddings
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(data))
+    return directory
+
+
+def archived_runtime(rev: str, directory: Path) -> Path:
+    """REV's runtime/ (git archive) unpacked under directory: a --compare run's "before"."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "runtime"],
+                             capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+    return directory / "runtime"

@@ -59,6 +59,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import archived_runtime
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENS = range(120, 136)
 WARM_STEPS = 8
@@ -114,7 +116,9 @@ def stub_forward(engine: Any) -> None:
     )
 
 
-def build(num_seqs: int, max_len: int) -> tuple[Any, Any]:
+def build(num_seqs: int, max_len: int, model: str = "tiny-llama") -> tuple[Any, Any]:
+    """An engine with the forward stubbed and an EngineCore around it whose one output socket
+    is a Sink (model: a built-in shape or a config.json directory, dummy weights)."""
     from atom.config import Config
     from atom.engine import LLMEngine
     from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
@@ -123,7 +127,7 @@ def build(num_seqs: int, max_len: int) -> tuple[Any, Any]:
     blocks = num_seqs * (max_len // 16 + 2) + 16
     engine = LLMEngine(
         Config(
-            model="tiny-llama",
+            model=model,
             load_format="dummy",
             dtype="float32",
             device="cpu",
@@ -296,13 +300,7 @@ def child(runtime: Path, args: argparse.Namespace) -> dict[str, Any]:
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     """Medians of REV's runtime and this tree's, child runs alternating (same machine load)."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", args.compare, "runtime"],
-            capture_output=True,
-            check=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        sides = {"before": Path(tmp) / "runtime", "after": REPO / "runtime"}
+        sides = {"before": archived_runtime(args.compare, Path(tmp)), "after": REPO / "runtime"}
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in sides}
         for _ in range(args.rounds):
             for name, path in sides.items():

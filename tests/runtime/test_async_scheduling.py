@@ -211,3 +211,30 @@ def test_async_steps_on_cuda_graphs(level: int, mode: str) -> None:
     assert run.get("graph_replays", 0) > 0
     del engine
     torch.cuda.empty_cache()
+
+
+def test_an_idle_engine_reads_a_new_prompts_token_at_once() -> None:
+    """New prompts on an idle engine: their first tokens come from the step that computed
+    them (not one step later, after the next step's preparation); the steps after overlap
+    again, and the tokens are those of synchronous steps."""
+    expected = _engine(False).generate([PROMPTS[0], PROMPTS[1]], GREEDY)
+    engine = _engine(True)
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[1], GREEDY)
+    first = engine.step()
+    assert [(o.request_id, len(o.new_token_ids)) for o in first] == [("a", 1), ("b", 1)]
+    assert engine._launched is None
+    second = engine.step()
+    assert second == [] and engine._launched is not None  # the decode step is in flight
+    got = {"a": first[0].new_token_ids, "b": first[1].new_token_ids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id] = got[o.request_id] + o.new_token_ids
+    assert [got["a"], got["b"]] == expected
+    # idle again: at once; a prompt that joins a running sequence overlaps as before
+    engine.add_request("c", PROMPTS[2], GREEDY)
+    assert [o.request_id for o in engine.step()] == ["c"]
+    assert engine.step() == []
+    engine.add_request("d", PROMPTS[3], GREEDY)
+    assert [o.request_id for o in engine.step()] == ["c"]  # d's token is in flight
+    assert sorted(o.request_id for o in engine.step()) == ["c", "d"]

@@ -10,7 +10,7 @@ import pytest
 from atom.config import CompilationConfig, Config
 from atom.engine import LLMEngine, SamplingParams
 from atom.engine.block_manager import BlockManager
-from atom.engine.prefix_cache import hash_block, root_hash
+from atom.engine.prefix_cache import hash_block, hash_blocks, root_hash
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import PENDING_TOKEN, Sequence
 
@@ -37,6 +37,22 @@ def test_keys_chain_over_every_block_before_and_the_model() -> None:
     # the same tokens after another first block get another key
     b1 = hash_block(a, _toks(BS, 1))
     assert b1 != hash_block(hash_block(root, _toks(BS, 2)), _toks(BS, 1))
+
+
+def test_hash_blocks_are_the_chained_keys_of_hash_block() -> None:
+    """The batched keys (one bytes conversion per prompt) equal the block-by-block chain, with
+    a shared extra key, per-block extra keys, and tokens past the last full block ignored."""
+    root = root_hash("model-a", "bfloat16")
+    tokens = _toks(5 * BS + 3)
+    salt = b"tenant-7"
+    for extras in ([b""] * 5, [salt] * 5, [b"", b"a", b"a", b"bc", b""]):
+        want, parent = [], root
+        for i, extra in enumerate(extras):
+            parent = hash_block(parent, tokens[i * BS : (i + 1) * BS], extra)
+            want.append(parent)
+        assert hash_blocks(root, tokens, BS, extras) == want
+    # from a parent inside the chain: the blocks after it
+    assert hash_blocks(want[1], tokens[2 * BS :], BS, extras[2:]) == want[2:]
 
 
 def _registered(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:

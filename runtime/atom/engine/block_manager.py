@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from atom.engine.batch import PENDING_TOKEN
-from atom.engine.prefix_cache import BlockHash, PrefixCacheStats, hash_block, root_hash
+from atom.engine.prefix_cache import BlockHash, PrefixCacheStats, hash_blocks, root_hash
 from atom.engine.sequence import Sequence
 
 
@@ -114,14 +114,18 @@ class BlockManager:
         the first block holding a token still on the device (PENDING_TOKEN)."""
         bs = self.block_size
         hashes = seq.block_hashes
-        while len(hashes) < num_tokens // bs:
-            i = len(hashes)
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            if PENDING_TOKEN in tokens:
-                return
-            hashes.append(
-                hash_block(hashes[-1] if hashes else self.root, tokens, seq.block_extra_key(i))
-            )
+        first, end = len(hashes), num_tokens // bs
+        if first >= end:
+            return
+        tokens = seq.token_ids
+        try:  # the blocks before the first one holding a pending token
+            end = min(end, tokens.index(PENDING_TOKEN, first * bs, end * bs) // bs)
+        except ValueError:
+            pass
+        if first < end:
+            extras = [seq.block_extra_key(i) for i in range(first, end)]
+            parent = hashes[-1] if hashes else self.root
+            hashes += hash_blocks(parent, tokens[first * bs : end * bs], bs, extras)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading full blocks; the last token is always computed

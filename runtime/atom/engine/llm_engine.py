@@ -34,6 +34,7 @@ from atom.engine.sampled_copy import SampledCopier, SampledCopy
 from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from atom.engine.token_check import out_of_vocab
 from atom.models.registry import load_model_config
 from atom.spec_decode.config import SpecMethod
 from atom.spec_decode.decoder import SpecDecoder
@@ -53,6 +54,7 @@ class LaunchedStep:
     slots: list[int | None]  # each one's PENDING_TOKEN index in token_ids (None: appended when read)
     tokens: torch.Tensor  # sampled ids on the device: the next step's pending rows read them
     copy: SampledCopy
+    first_tokens: bool = False  # every sampled sequence gets its first output token
 
 
 class LLMEngine:
@@ -239,7 +241,7 @@ class LLMEngine:
                 f"prompt has {n} tokens, more than max_model_len={self.config.max_model_len}"
             )
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = out_of_vocab(prompt_token_ids, vocab)
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:3]}")
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrival))
@@ -301,10 +303,14 @@ class LLMEngine:
                 seq.num_scheduled_tokens = 0
             return outputs
         launched = self._launch(sched) if sched else None
+        idle = self._launched is None  # no step in flight: nothing to overlap with
         if self._launched is not None:
             outputs.extend(self._read(self._launched))
         self._launched = launched
-        if launched is not None and not self.async_scheduling:
+        # A step of new prompts only on an idle engine is read at once: left in flight, its
+        # first tokens would wait for the next step's scheduling and input preparation
+        # (TTFT), which then runs after the read instead (the second token's gap only).
+        if launched is not None and (not self.async_scheduling or (idle and launched.first_tokens)):
             outputs.extend(self._read(launched))
             self._launched = None
         return outputs
@@ -359,6 +365,7 @@ class LLMEngine:
         self.block_manager.cache_blocks_of(seqs)
         if not to_sample:
             return None
+        first = all(len(seq.token_ids) == seq.num_prompt_tokens for seq in to_sample)
         host_tokens = self._copier.next_tokens(len(to_sample))
         tokens, logprobs = self.sampler.sample(logits, to_sample, host_tokens)
         slots: list[int | None] = []
@@ -371,7 +378,7 @@ class LLMEngine:
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.pending_src = i
         copy = self._copier.start(tokens, logprobs, tokens_on_host=host_tokens is not None)
-        return LaunchedStep(to_sample, slots, tokens, copy)
+        return LaunchedStep(to_sample, slots, tokens, copy, first)
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
         """Put a launched step's tokens in their sequences; finish those they end."""

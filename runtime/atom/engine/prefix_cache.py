@@ -42,6 +42,30 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
     return BlockHash(h.digest())
 
 
+def hash_blocks(
+    parent: BlockHash,
+    token_ids: Sequence[int],
+    block_size: int,
+    extras: Sequence[bytes],
+) -> list[BlockHash]:
+    """hash_block over consecutive full blocks of token_ids (len(extras) of them, block i's
+    extra key extras[i]), chained from `parent`: the same keys, with the ids converted to
+    bytes once for all the blocks rather than a list slice and an array per block (a
+    4,096-token prompt: 256 blocks, hashed at every request, cached or not)."""
+    data = array("q", token_ids[: len(extras) * block_size]).tobytes()
+    step = 8 * block_size
+    sha256 = hashlib.sha256
+    out: list[BlockHash] = []
+    header, last_extra = b"", None
+    for i, extra in enumerate(extras):
+        if extra is not last_extra:  # one salt for every block, as a rule
+            header, last_extra = len(extra).to_bytes(4, "little") + extra, extra
+        # One call on the joined bytes (a few hundred): half the time of update() calls.
+        parent = BlockHash(sha256(parent + header + data[i * step : (i + 1) * step]).digest())
+        out.append(parent)
+    return out
+
+
 class BlockKeyExtra(Protocol):
     """What a sequence adds to its blocks' keys beyond the token ids (atom.engine.sequence)."""
 
