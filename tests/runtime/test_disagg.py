@@ -12,7 +12,7 @@ import concurrent.futures
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -94,6 +94,14 @@ def metric(proc: Proc, name: str, **labels: str) -> float:
 def kv_status(proc: Proc) -> dict:
     status = httpx.get(proc.url + "/status").json()
     return {**status["kv"], "kv_blocks_used": status["stats"]["kv_blocks_used"]}
+
+
+def wait_for_status(proc: Proc, ok: Callable[[dict], bool], timeout_s: float) -> dict:
+    """The instance's kv_status once ok(status) holds, or the last one seen at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not ok(state := kv_status(proc)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return state
 
 
 def wait_until_free(procs: list[Proc], timeout_s: float) -> None:
@@ -203,7 +211,9 @@ def test_blocks_not_pulled_are_freed_after_the_timeout(cluster: Cluster) -> None
     assert r.status_code == 200
     handle = r.json()["kv_transfer"]
     assert handle["num_blocks"] == 3 and handle["expires_in"] == HOLD_S  # BOS + 40 bytes
-    assert kv_status(p)["blocks_held"] == 3 and kv_status(p)["kv_blocks_used"] == 3
+    # /status shows the core's last stats message, which may trail the response a moment
+    held = wait_for_status(p, lambda s: s["blocks_held"] == 3 and s["kv_blocks_used"] == 3, 2.0)
+    assert held["blocks_held"] == 3 and held["kv_blocks_used"] == 3, held
     t0 = time.monotonic()
     wait_until_free([p], timeout_s=HOLD_S + 3)
     assert time.monotonic() - t0 > HOLD_S - 1.0

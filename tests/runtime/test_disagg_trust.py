@@ -14,7 +14,7 @@ import concurrent.futures
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import httpx
@@ -123,6 +123,15 @@ def kv(p: Proc) -> dict:
     return httpx.get(p.url + "/status").json()["kv"]
 
 
+def kv_once(p: Proc, ok: Callable[[dict], bool], timeout_s: float = 2.0) -> dict:
+    """kv(p) once ok holds (/status shows the core's last stats message, which may trail a
+    response a moment), or the last one seen at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not ok(state := kv(p)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return state
+
+
 def release(p: Proc, handle: dict, headers: dict | None = None) -> httpx.Response:
     body = {"handle": handle["handle"], "secret": handle.get("secret")}
     return httpx.post(
@@ -192,7 +201,8 @@ def test_stolen_handle_without_its_secret_reads_nothing(inst: Instances) -> None
     for secret in ("", "0" * 32, handle["secret"][:-1] + "x"):
         got = asyncio.run(pull(replace(stolen, secret=secret)))
         assert isinstance(got, KVTransferError) and got.code == "kv_unknown_handle", got
-    assert kv(inst.prefill)["blocks_held"] == 3  # still held, nothing was read
+    # still held, nothing was read
+    assert kv_once(inst.prefill, lambda s: s["blocks_held"] == 3)["blocks_held"] == 3
     # the release route wants the token and the secret too
     assert release(inst.prefill, handle, headers={}).status_code == 403
     assert release(inst.prefill, {**handle, "secret": "nope"}).json() == {"released": False}
@@ -209,8 +219,8 @@ def test_unpulled_prefills_cannot_pin_more_than_the_cap(inst: Instances) -> None
     assert [r.status_code for r in rs] == [200, 200, 200, 503]
     err = rs[3].json()["error"]
     assert err["code"] == "kv_hold_cap" and f"of {cap}" in err["message"]
-    state = kv(inst.prefill)
-    assert state["blocks_held"] == 30 <= cap and state["hold_cap_refused"] >= 1
+    state = kv_once(inst.prefill, lambda s: s["blocks_held"] == 30 and s["hold_cap_refused"] >= 1)
+    assert state["blocks_held"] == 30 <= cap and state["hold_cap_refused"] >= 1, state
     # the router's release frees one hold at once, and the next prefill fits again
     assert release(inst.prefill, rs[0].json()["kv_transfer"]).json() == {"released": True}
     r = prefill(inst.prefill)
