@@ -17,6 +17,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
         if "real_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.realnode)
+        if item.get_closest_marker("realnode"):
+            # One real node fits a machine: under xdist (hack/test's --dist loadgroup) every
+            # test that starts or uses one runs on one worker, in collection order (the
+            # demo's own node first, tests/realnode/conftest.py), beside the other worker.
+            item.add_marker(pytest.mark.xdist_group("realnode"))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items:
         import torch  # only when a gpu test is collected: keeps collection light otherwise
