@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+from kv_fixtures import SHAPE, handle_for, kv_server, make_cache
 
 from atom.config import Config
 from atom.disagg import wire
@@ -23,8 +24,6 @@ from atom.disagg.kv_blocks import engine_layout, gather_blocks, layout_of_cache,
 from atom.disagg.layout import KVLayout, model_identity
 from atom.disagg.server import KVServer, KVSource
 from atom.engine import LLMEngine, SamplingParams
-
-SHAPE = (2, 3, 9, 4, 2, 8)  # [k/v, layers, blocks + 1, block_size, kv_heads, head_dim]
 
 
 class Clock:
@@ -45,35 +44,6 @@ class CountingMetrics:
 
     def outcome(self, direction: str, outcome: str) -> None:
         self.outcomes.append((direction, outcome))
-
-
-def make_cache(seed: int = 0) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def handle_for(name: str, layout: KVLayout, port: int, tokens: int) -> KVHandle:
-    return KVHandle(
-        handle=name,
-        kv_host="127.0.0.1",
-        kv_port=port,
-        identity=layout.identity,
-        model=layout.model,
-        num_blocks=layout.blocks_for(tokens),
-        prompt_token_ids=list(range(1, tokens + 1)),
-        first_token_id=7,
-    )
-
-
-@contextlib.asynccontextmanager
-async def kv_server(
-    cache: torch.Tensor, holds: KVHoldRegistry, layout: KVLayout, **kw: object
-) -> AsyncIterator[KVServer]:
-    server = KVServer(lambda: KVSource(layout, holds, cache), **kw)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 @contextlib.asynccontextmanager

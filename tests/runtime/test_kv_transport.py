@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import types
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from kv_fixtures import SHAPE, handle_for, kv_server, make_cache
 from prometheus_client import CollectorRegistry
 
 from atom.disagg import wire
 from atom.disagg.client import KVTransferError, pull_kv, release_kv
 from atom.disagg.cuda_ipc import CacheExport, PeerMappings
-from atom.disagg.handle import KVHandle
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import gather_blocks, layout_of_cache
 from atom.disagg.layout import KVLayout
@@ -45,7 +44,6 @@ GPUS = ("GPU-a", "GPU-b")
 PREFILL = PeerFacts("host-1", 100, "GPU-a", GPUS)
 DECODE = PeerFacts("host-1", 200, "GPU-b", GPUS)
 ELSEWHERE = PeerFacts("host-2", 300, "GPU-c", ("GPU-c",))
-SHAPE = (2, 3, 9, 4, 2, 8)  # [k/v, layers, blocks + 1, block_size, kv_heads, head_dim]
 
 _MAPPED: dict[str, torch.Tensor] = {}  # the fake's "IPC": export token -> the prefill's cache
 
@@ -121,35 +119,6 @@ class Metrics:
 
 def transports(mode: str, facts: PeerFacts, fake: FakeIpc | None = None) -> TransportSet:
     return TransportSet(TransportMode.parse(mode), facts, {IPC: fake} if fake else {})
-
-
-def make_cache(seed: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def handle_for(name: str, layout: KVLayout, port: int, tokens: int) -> KVHandle:
-    return KVHandle(
-        handle=name,
-        kv_host="127.0.0.1",
-        kv_port=port,
-        identity=layout.identity,
-        model=layout.model,
-        num_blocks=layout.blocks_for(tokens),
-        prompt_token_ids=list(range(1, tokens + 1)),
-        first_token_id=7,
-    )
-
-
-@contextlib.asynccontextmanager
-async def prefill(
-    cache: torch.Tensor, holds: KVHoldRegistry, layout: KVLayout, ts: TransportSet, **kw: Any
-) -> AsyncIterator[KVServer]:
-    server = KVServer(lambda: KVSource(layout, holds, cache, transports=ts), **kw)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 # ---- negotiation (pure) --------------------------------------------------------------------------
@@ -320,7 +289,7 @@ def test_fast_path_moves_the_blocks_frees_the_hold_and_closes_its_handles() -> N
     metrics.watch_handles(lambda: {"cuda-ipc": pulling.counters})
 
     async def main() -> None:
-        async with prefill(cache, holds, layout, transports("auto", PREFILL, served)) as srv:
+        async with kv_server(cache, holds, layout, transports("auto", PREFILL, served)) as srv:
             pulled = await pull_kv(handle_for("h", layout, srv.port, 10), layout,
                                    transports=decode, metrics=metrics)  # fmt: skip
             assert pulled.report.transport == IPC and pulled.report.fallback_from is None
@@ -352,7 +321,7 @@ def test_fast_path_that_fails_falls_back_to_tcp_on_the_same_connection() -> None
 
     async def main() -> None:
         ts = transports("auto", PREFILL, FakeIpc())
-        async with prefill(cache, holds, layout, ts, metrics=sent) as srv:
+        async with kv_server(cache, holds, layout, ts, metrics=sent) as srv:
             pulled = await pull_kv(handle_for("h", layout, srv.port, 8), layout, metrics=received,
                                    transports=transports("auto", DECODE, pulling))  # fmt: skip
             assert pulled.attempts == 1  # one connection: FALLBACK, then the bytes over TCP
@@ -388,7 +357,7 @@ def test_refused_fast_path_is_recorded_and_tcp_carries_the_blocks(
 
     async def main() -> None:
         ts = transports("auto", PREFILL, prefill_ipc() if prefill_ipc else None)
-        async with prefill(cache, holds, layout, ts) as srv:
+        async with kv_server(cache, holds, layout, ts) as srv:
             pulled = await pull_kv(handle_for("h", layout, srv.port, 4), layout,
                                    transports=transports("auto", decode_facts, pulling))  # fmt: skip
             assert pulled.report.transport == TCP and pulled.report.fallback_from == IPC
@@ -410,7 +379,7 @@ def test_forced_fast_path_that_breaks_is_retried_once_then_fails_naming_it() -> 
 
     async def main() -> None:
         ts = transports("auto", PREFILL, FakeIpc())
-        async with prefill(cache, holds, layout, ts) as srv:
+        async with kv_server(cache, holds, layout, ts) as srv:
             with pytest.raises(KVTransferError) as err:
                 await pull_kv(handle_for("h", layout, srv.port, 8), layout, metrics=received,
                               transports=transports("cuda-ipc", DECODE, pulling))  # fmt: skip
@@ -436,7 +405,7 @@ def test_forced_fast_path_the_prefill_cannot_serve_is_refused_before_any_copy() 
     served, pulling = FakeIpc(), FakeIpc()
 
     async def main() -> None:
-        async with prefill(cache, holds, layout, transports("auto", PREFILL, served)) as srv:
+        async with kv_server(cache, holds, layout, transports("auto", PREFILL, served)) as srv:
             with pytest.raises(KVTransferError) as err:
                 await pull_kv(handle_for("h", layout, srv.port, 4), layout,
                               transports=transports("cuda-ipc", ELSEWHERE, pulling))  # fmt: skip
@@ -460,7 +429,7 @@ def test_identity_mismatch_is_refused_before_the_fast_path_is_touched() -> None:
     served, pulling = FakeIpc(), FakeIpc()
 
     async def main() -> None:
-        async with prefill(cache, holds, mine, transports("auto", PREFILL, served)) as srv:
+        async with kv_server(cache, holds, mine, transports("auto", PREFILL, served)) as srv:
             with pytest.raises(KVTransferError) as err:
                 await pull_kv(handle_for("h", theirs, srv.port, 4), theirs,
                               transports=transports("auto", DECODE, pulling))  # fmt: skip
