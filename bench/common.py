@@ -9,6 +9,7 @@ so the operator and serving benches load this module without it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -33,6 +34,14 @@ def git_commit(short: bool = False) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def emit_report(report: dict[str, Any], out: str | None) -> None:
+    """The report as JSON on stdout, and into `out` when given (the scripts' --out)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 def projection_shapes(c: Any) -> dict[str, tuple[int, int]]:

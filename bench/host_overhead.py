@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import archived_runtime
+from common import archived_runtime, emit_report
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENS = range(120, 136)
@@ -376,10 +376,7 @@ def main() -> None:
             for r in per_batch.values():
                 if "cprofile" in r:
                     print(r.pop("cprofile"), file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

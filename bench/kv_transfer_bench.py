@@ -52,7 +52,7 @@ from atom.disagg.holds import KVHoldRegistry  # noqa: E402
 from atom.disagg.kv_blocks import engine_layout, layout_of_cache, scatter_blocks  # noqa: E402
 from atom.disagg.server import KVServer, KVSource  # noqa: E402
 from atom.models.registry import BUILTIN_SHAPES  # noqa: E402
-from common import REPO, git_commit, start_router, start_server  # noqa: E402
+from common import REPO, emit_report, git_commit, start_router, start_server  # noqa: E402
 
 BLOCK = 16
 IDENTITY = "bench-kv-shape"
@@ -395,10 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         result["ttft"] = asyncio.run(bench_ttft(args))
     if "http" in args.parts:
         result["http"] = bench_http(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_report(result, args.out)
     return 0
 
 

@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, archived_runtime, git_commit, long_tiny_llama  # noqa: E402
+from common import REPO, archived_runtime, emit_report, git_commit, long_tiny_llama  # noqa: E402
 
 MAX_LEN = 8192
 NUM_KV_BLOCKS = 4 * MAX_LEN // 16  # room for the cached prompt and the first ones beside it
@@ -448,10 +448,7 @@ def main() -> None:
         if args.e2e:
             report["e2e"] = e2e(model_dir, args.lens, max(5, args.repeats // 3))
             print(json.dumps(report["e2e"], indent=1), file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":
