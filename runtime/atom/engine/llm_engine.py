@@ -302,8 +302,8 @@ class LLMEngine:
             for seq in sched.seqs:
                 seq.num_scheduled_tokens = 0
             return outputs
-        launched = self._launch(sched) if sched else None
         idle = self._launched is None  # no step in flight: nothing to overlap with
+        launched = self._launch(sched, check_first=idle) if sched else None
         if self._launched is not None:
             outputs.extend(self._read(self._launched))
         self._launched = launched
@@ -350,7 +350,7 @@ class LLMEngine:
             self._pending.extend(self._read(self._launched))
             self._launched = None
 
-    def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+    def _launch(self, sched: SchedulerOutput, check_first: bool) -> LaunchedStep | None:
         """Queue the step's forward and sampling; placeholders for the sequences that go on."""
         self._place_pulled_kv(sched.seqs)
         before = self._launched.tokens if self._launched is not None else None
@@ -365,7 +365,8 @@ class LLMEngine:
         self.block_manager.cache_blocks_of(seqs)
         if not to_sample:
             return None
-        first = all(len(seq.token_ids) == seq.num_prompt_tokens for seq in to_sample)
+        # Only an idle engine's step may be read at once (step()): no per-row check under load.
+        first = check_first and all(len(s.token_ids) == s.num_prompt_tokens for s in to_sample)
         host_tokens = self._copier.next_tokens(len(to_sample))
         tokens, logprobs = self.sampler.sample(logits, to_sample, host_tokens)
         slots: list[int | None] = []
