@@ -64,14 +64,16 @@ def test_completion_greedy_stream_equals_whole(client: openai.OpenAI) -> None:
     kw = {
         "model": MODEL,
         "prompt": "The capital of France is",
-        "max_tokens": 12,
+        # Long enough to outlast the stream's set-up: a few tokens can all be out before the
+        # response starts, and then arrive as one chunk (tiny-llama steps take under a ms).
+        "max_tokens": 48,
         "temperature": 0.0,
         "extra_body": {"ignore_eos": True},
     }
     whole = client.completions.create(**kw)
     again = client.completions.create(**kw)
     assert whole.choices[0].text == again.choices[0].text  # greedy is deterministic
-    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 48 and whole.choices[0].finish_reason == "length"
     assert whole.usage.prompt_tokens == 1 + len(b"The capital of France is")  # BOS + bytes
     chunks = list(client.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
