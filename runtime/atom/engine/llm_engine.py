@@ -115,6 +115,7 @@ class LLMEngine:
             self.async_scheduling = config.async_scheduling = False
         self._copier = SampledCopier(self.runner.max_num_seqs, self.runner.device)
         self._launched: LaunchedStep | None = None
+        self.last_batch: StepBatch | None = None  # the last step() launched (None: none)
         self.eos_token_ids = set(self.hf_config.eos_token_id)
         # Prompt blocks of finished prefill-role sequences, kept until pulled (atom.disagg).
         self.kv_holds = KVHoldRegistry(DEFAULT_KV_HOLD_S)
@@ -296,6 +297,7 @@ class LLMEngine:
         launched before (asynchronous scheduling) or of this one."""
         self.reclaim_kv()
         outputs, self._pending = self._pending, []
+        self.last_batch = None
         sched = self.scheduler.schedule()
         if self.spec is not None and sched and self._speculates(sched):
             self.spec.step(sched.seqs, lambda seq, toks, lps: self._emit(seq, toks, lps, outputs))
@@ -355,6 +357,7 @@ class LLMEngine:
         self._place_pulled_kv(sched.seqs)
         before = self._launched.tokens if self._launched is not None else None
         batch = StepBatch.of(sched.seqs, sched.is_prefill)
+        self.last_batch = batch  # what the step ran (atom.entrypoints.core.step_trace)
         logits, sampled = self.runner.execute_model(batch, before)
         seqs = sched.seqs
         to_sample = seqs if len(sampled) == len(seqs) else [seqs[i] for i in sampled]

@@ -43,6 +43,7 @@ from atom.entrypoints.core.messages import (
     encoder,
     input_decoder,
 )
+from atom.entrypoints.core.step_trace import StepTrace
 from atom.wire.errors import INVALID_REQUEST, KV_HOLD_CAP, kv_status
 
 logger = logging.getLogger(__name__)
@@ -237,10 +238,19 @@ class EngineCore:
         )
 
     def _loop(self) -> int:
+        trace = StepTrace.from_env()
+        try:
+            return self._turns(trace)
+        finally:
+            if trace is not None:
+                trace.flush()
+
+    def _turns(self, trace: StepTrace | None) -> int:
         engine = self.engine
         reclaim = getattr(engine, "reclaim_kv", None)
         last_stats = 0.0
         last_parent_check = time.monotonic()
+        clock = time.perf_counter
         while True:
             busy = engine.has_unfinished_requests()
             if busy:  # no syscall when nothing is queued: the socket says so itself
@@ -257,10 +267,14 @@ class EngineCore:
                 self._add_pulled()
             now = time.monotonic()
             if engine.has_unfinished_requests():
+                t0 = clock() if trace is not None else 0.0
                 outs = engine.step()  # reclaims freed KV holds itself
+                t1 = clock() if trace is not None else 0.0
                 self.steps += 1
                 if outs:
                     self._route(outs)
+                if trace is not None:
+                    trace.record(t0, t1, clock(), engine, len(outs))
             elif reclaim is not None:
                 reclaim()  # held KV blocks that were pulled or timed out, while idle too
             # Also at once when work just ended or was refused: /status then shows what it left.
