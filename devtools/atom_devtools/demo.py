@@ -78,7 +78,21 @@ class Kubectl:
 
 def install_crd(kubectl: Kubectl) -> None:
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    wait_established(kubectl, CRD_NAME)
+
+
+def wait_established(kubectl: Kubectl, name: str, timeout: float = 60.0) -> None:
+    """Poll the CRD's Established condition. `kubectl wait --for=condition=Established` right
+    after the create fails at once ("<nil> is of the type <nil>") while the new object has no
+    status.conditions yet, instead of waiting for them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conditions = kubectl.json(f"crd/{name}").get("status", {}).get("conditions") or []
+        if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"crd/{name} not Established after {timeout:.0f}s: {conditions}")
+        time.sleep(0.2)
 
 
 def _get(url: str, timeout: float = 2) -> tuple[int, str]:
