@@ -3,7 +3,6 @@ a real `atom-runtime serve`, and bench/step_trace_report.py's summary of them.""
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from server_proc import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from step_trace_report import summarise  # noqa: E402
+from step_trace_report import load, summarise  # noqa: E402
 
 MODEL = "tiny-llama"
 
@@ -31,7 +30,7 @@ def test_served_steps_are_traced_and_summarised(tmp_path: Path) -> None:
         assert proc.proc.wait(30) == 0, proc.log()
     finally:
         proc.stop()
-    rows = [json.loads(line) for line in trace.read_text().splitlines()]  # flushed at exit
+    rows = load(str(trace))  # flushed at exit
     # The warm-up does not run through the loop: the request's prefill is the first record.
     first = rows[0]
     assert first["prefill"] is True and first["seqs"] == 1 and first["tokens"] == prompt_tokens
