@@ -5,12 +5,24 @@ the one-row decode step (issue 30).
 Workloads, per batch size:
 - "plain": random prompts; self-drafting (the target as its own draft model) accepts every
   greedy draft, so its tokens/s is the mechanism's ceiling.
-- "copy": copy-heavy for the model served, whose weights are random (dummy): from a random
-  seed prompt P the engine without speculation generates G greedily; the prompt is P + G[:m]
-  and the expected answer G[m:]. A random-weight model falls into repeating cycles, so the
-  answer repeats spans of its prompt, which is what the n-gram drafter copies. The acceptance
-  is measured and reported (with the share of the answer an n-gram lookup of the expected text
-  would have proposed), never assumed.
+- "copy": copy-heavy, on a constructed token-chain model of the same shape (bench/copy_chain.py):
+  dummy random weights cannot copy (on the H200 a random llama-3.2-1b's answers had 127
+  distinct tokens of 128 and the n-gram drafter accepted nothing), so after the plain
+  workload and the verify-step timing each engine's weights are rewritten in place (same
+  chain, same seed: identical targets) so that the greedy successor of each of n chain tokens
+  (--chain-n, 2048; 64 under --quick) is the next token of one cycle. Each prompt is a chain
+  span of max_tokens + 32 tokens, a break of 8 random chain tokens, then the span's first 4
+  tokens again: the greedy answer is the rest of the span, a span of the prompt, which is
+  what the n-gram drafter copies. The
+  engine is the 1B model's (the same parameter tensors, shapes, kernels and graphs, every
+  layer's attention and MLP still run, into zero output projections but layer 0's MLP), so
+  the timing is the real engine's; only the weights' values differ.
+  The expected answer is the chain on the host; `matches_expected_answer` says how much of
+  it each engine generated (1.0 for no speculation, or the construction is wrong), and
+  `chain_model` the construction's logit margin in the model's dtype (every chain token,
+  whole vocabulary). Self-draft engines get the construction on their draft model too (the
+  target stays its own draft). The acceptance comes from the engine's spec stats, and
+  `ngram_hit_rate` is the share of the answer an n-gram lookup of the expected text proposes.
 decode_tok_s = batch * (max_tokens - 1) / (t(max_tokens) - t(1)): the prefill (and its first
 token) is timed separately and taken out. `identical` says whether the greedy tokens equal
 those of the same run without speculation.
@@ -48,6 +60,7 @@ from atom.engine import LLMEngine, SamplingParams
 from atom.engine.batch import SeqRows, StepBatch
 from atom.spec_decode.ngram import NgramDrafter
 from atom.utils.forward_context import SpecDecodeMetadata
+from copy_chain import Chain, apply_chain, copy_prompts
 
 
 def _sync(device: str) -> None:
@@ -55,7 +68,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _engine(args: argparse.Namespace, spec: dict | None) -> LLMEngine:
+def build_engine(args: argparse.Namespace, spec: dict | None) -> LLMEngine:
     cc = CompilationConfig(
         level=args.level,
         cudagraph_mode=args.mode,
@@ -86,16 +99,11 @@ def _random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def copy_workload(e: LLMEngine, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Prompts P + G[:m] and expected answers G[m:], G the greedy continuation of a random seed
-    prompt P by `e` (no speculation); `ngram_hit_rate`: the share of answer tokens the n-gram
-    drafter's first proposal gets right, reading the prompt and the expected answer so far."""
-    seeds = _random_prompts(batch, args.prompt_len // 2, e.hf_config.vocab_size, 1000 + batch)
-    m = args.prompt_len - len(seeds[0])
-    p = SamplingParams(temperature=0.0, max_tokens=m + args.max_tokens, ignore_eos=True)
-    gens = e.generate(seeds, p)
-    prompts = [s + g[:m] for s, g in zip(seeds, gens, strict=True)]
-    expected = [g[m:] for g in gens]
+def copy_workload(chain: Chain, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The chain model's copy prompts and expected answers (copy_chain.copy_prompts);
+    `ngram_hit_rate`: the share of answer tokens the n-gram drafter's first proposal gets
+    right, reading the prompt and the expected answer so far."""
+    prompts, expected = copy_prompts(chain, batch, args.max_tokens, 1000 + batch)
     drafter = NgramDrafter(1, 1, 3)
     hits = sum(
         drafter.propose(pr + ex[:j])[0] == ex[j]
@@ -105,9 +113,18 @@ def copy_workload(e: LLMEngine, batch: int, args: argparse.Namespace) -> dict[st
     return {
         "prompts": prompts,
         "expected": expected,
+        "prompt_len": len(prompts[0]),
         "ngram_hit_rate": hits / max(1, sum(len(x) for x in expected)),
         "distinct_answer_tokens": [len(set(x)) for x in expected],
     }
+
+
+def to_chain(e: LLMEngine, chain: Chain) -> dict[str, Any]:
+    """The engine's model (and a draft model's) made the chain model, in place; margins."""
+    out = {"target": apply_chain(e.runner.model, chain)}
+    if e.draft_runner is not None:
+        out["draft"] = apply_chain(e.draft_runner.model, chain)
+    return out
 
 
 def _timed(e: LLMEngine, prompts: list[list[int]], n: int, device: str) -> tuple[float, list]:
@@ -239,6 +256,38 @@ def ceilings(verify_ms: dict[str, float], ks: list[int]) -> dict[str, dict[str, 
     return out
 
 
+def _measure(
+    e: LLMEngine,
+    name: str,
+    key: str,
+    prompts: list[list[int]],
+    spec: dict | None,
+    results: dict[str, Any],
+    baseline_tokens: dict[str, list],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One workload's decode rate on `e`, its tokens against no speculation's (the baseline
+    run records them) and, for a copy workload, against the expected answers."""
+    r = decode_rate(e, prompts, args)
+    toks = r.pop("tokens")
+    if spec is None:
+        baseline_tokens[key] = toks
+        r["identical"] = True
+    else:
+        r["identical"] = toks == baseline_tokens[key]
+        r["speedup"] = r["decode_tok_s"] / results["runs"]["none"][key]["decode_tok_s"]
+    if key.startswith("copy"):
+        want = baseline_tokens[f"expected_{key}"]
+        same = sum(
+            a == b for t, w in zip(toks, want, strict=True) for a, b in zip(t, w, strict=False)
+        )
+        r["matches_expected_answer"] = same / max(1, sum(len(w) for w in want))
+    print(
+        name, key, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True
+    )
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -255,6 +304,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--mode", default="FULL")
+    ap.add_argument("--chain-n", type=int, default=2048, help="copy workload: chain tokens")
+    ap.add_argument("--chain-seed", type=int, default=0)
     args = ap.parse_args()
     args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -264,6 +315,7 @@ def main() -> None:
         args.model, args.level, args.mode = "tiny-llama", 0, "NONE"
         args.batches, args.ks, args.max_tokens, args.prompt_len = [1, 2], [1, 3], 24, 16
         args.context, args.iters, args.max_model_len, args.num_kv_blocks = 32, 5, 128, 64
+        args.chain_n = 64  # of tiny-llama's 256 ids and 128 MLP channels
 
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name()
@@ -274,49 +326,23 @@ def main() -> None:
         "verify_step_ms": {},
         "verify_step_ms_batch": {},  # the same at the largest batch (rows per request)
         "copy_workload": {},
+        "chain_model": {},  # per engine: the chain construction's margin (copy_chain.margin)
     }
     baseline_tokens: dict[str, list] = {}
-    workloads: dict[str, list[list[int]]] = {}
+    plain: dict[str, list[list[int]]] = {}
+    copy: dict[str, list[list[int]]] = {}
     for name, spec in _specs(args).items():
-        e = _engine(args, spec)
-        if spec is None:  # the workloads: the copy prompts are this engine's own continuations
+        e = build_engine(args, spec)
+        if spec is None:
             for b in args.batches:
-                workloads[f"plain_b{b}"] = _random_prompts(
+                plain[f"plain_b{b}"] = _random_prompts(
                     b, args.prompt_len, e.hf_config.vocab_size, b
                 )
-                cw = copy_workload(e, b, args)
-                workloads[f"copy_b{b}"] = cw.pop("prompts")
-                expected = cw.pop("expected")
-                results["copy_workload"][f"b{b}"] = cw
-                baseline_tokens[f"expected_copy_b{b}"] = expected
             results["batch_invariance"] = batch_invariance(e, args.context)
             print("batch_invariance", results["batch_invariance"], flush=True)
         run: dict[str, Any] = {}
-        for key, prompts in workloads.items():
-            r = decode_rate(e, prompts, args)
-            toks = r.pop("tokens")
-            if spec is None:
-                baseline_tokens[key] = toks
-                r["identical"] = True
-            else:
-                r["identical"] = toks == baseline_tokens[key]
-                r["speedup"] = r["decode_tok_s"] / results["runs"]["none"][key]["decode_tok_s"]
-            if key.startswith("copy"):
-                want = baseline_tokens[f"expected_{key}"]
-                same = sum(
-                    a == b
-                    for t, w in zip(toks, want, strict=True)
-                    for a, b in zip(t, w, strict=False)
-                )
-                r["matches_expected_answer"] = same / max(1, sum(len(w) for w in want))
-            run[key] = r
-            print(
-                name,
-                key,
-                {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
-                flush=True,
-            )
-        results["runs"][name] = run
+        for key, prompts in plain.items():
+            run[key] = _measure(e, name, key, prompts, spec, results, baseline_tokens, args)
         # verify step (k + 1 rows, batch 1) on this engine; the one-row step on the baseline
         rows = 1 if spec is None else spec["num_speculative_tokens"] + 1
         if spec is None or spec["method"] == "draft_model":
@@ -326,6 +352,21 @@ def main() -> None:
             results["verify_step_ms_batch"][f"rows_{rows}"] = step_ms(
                 e, rows, args.context, args.iters, args.device, max(args.batches)
             )
+        # The copy workload: the same engine (compiled code, graphs) as the chain model.
+        hf = e.hf_config
+        avoid = {*hf.eos_token_id, *([hf.bos_token_id] if hf.bos_token_id is not None else [])}
+        chain = Chain.draw(hf.vocab_size, args.chain_n, args.chain_seed, avoid)
+        results["chain_model"][name] = to_chain(e, chain)
+        print(name, "chain_model", results["chain_model"][name], flush=True)
+        if spec is None:
+            for b in args.batches:
+                cw = copy_workload(chain, b, args)
+                copy[f"copy_b{b}"] = cw.pop("prompts")
+                baseline_tokens[f"expected_copy_b{b}"] = cw.pop("expected")
+                results["copy_workload"][f"b{b}"] = cw
+        for key, prompts in copy.items():
+            run[key] = _measure(e, name, key, prompts, spec, results, baseline_tokens, args)
+        results["runs"][name] = run
         del e
         _free()
     one = results["verify_step_ms"].get("rows_1")
@@ -338,6 +379,7 @@ def main() -> None:
         "verify_step_ms_batch",
         "self_draft_ceiling",
         "copy_workload",
+        "chain_model",
     )
     print(json.dumps({k: results[k] for k in shown if k in results}, indent=1))
     with open(args.out, "w") as f:
