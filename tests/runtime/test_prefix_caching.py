@@ -6,6 +6,7 @@ eviction and recompute, and a level-3 compiled model)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from atom.config import CompilationConfig, Config
 from atom.engine import LLMEngine, SamplingParams
@@ -66,28 +67,35 @@ def _registered(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:
     return s
 
 
-def test_hit_is_capped_below_the_last_token_and_refcounted() -> None:
+def test_hit_leaves_the_last_token_to_compute_and_is_refcounted() -> None:
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     prompt = _toks(3 * BS)
     a = _registered(bm, "a", prompt)
     assert bm.num_cached_blocks == 3 and bm.num_used_blocks == 3
-    # the same 48 tokens: at most (48 - 1) // 16 = 2 blocks, so the last token is computed
+    # the same 48 tokens: all three blocks are shared and only the last token is computed
+    # again (for its logits; its key and value stay in the shared block)
     b = _seq("b", prompt)
     hit = bm.match_prefix(b)
-    assert hit == a.block_table[:2]
+    assert hit == a.block_table
     bm.admit(b, hit, len(prompt))
-    assert b.num_computed_tokens == 32 and b.block_table[:2] == a.block_table[:2]
-    assert b.block_table[2] != a.block_table[2]
-    assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1]
+    assert b.num_computed_tokens == 47 and b.block_table == a.block_table
+    assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 2]
+    # 47 of the tokens: the hit stops before the block holding the last token
+    c = _seq("c", prompt[:-1])
+    hit = bm.match_prefix(c)
+    assert hit == a.block_table[:2]
+    bm.admit(c, hit, len(prompt) - 1)
+    assert c.num_computed_tokens == 32 and c.block_table[2] != a.block_table[2]
     bm.free(a)
-    assert bm.num_used_blocks == 3 and len(bm.evictable) == 1  # a's own third block: cached, idle
+    bm.free(c)
+    assert bm.num_used_blocks == 3 and not bm.evictable  # b holds a's; c's own was unkeyed
     bm.free(b)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8 and bm.num_cached_blocks == 3
-    # 49 tokens: three blocks hit; a prompt of one block + 1 token hits one; of one block, none
-    assert len(bm.match_prefix(_seq("c", prompt + [5]))) == 3
-    assert len(bm.match_prefix(_seq("d", prompt[:BS]))) == 0
-    assert len(bm.match_prefix(_seq("e", prompt[:BS] + [9]))) == 1
-    assert len(bm.match_prefix(_seq("f", [9] + prompt[1:]))) == 0  # first token differs
+    # 49 tokens: three blocks hit; one block + 1 token: one; the first block alone: that one
+    assert len(bm.match_prefix(_seq("d", prompt + [5]))) == 3
+    assert len(bm.match_prefix(_seq("e", prompt[:BS]))) == 1
+    assert len(bm.match_prefix(_seq("f", prompt[:BS] + [9]))) == 1
+    assert len(bm.match_prefix(_seq("g", [9] + prompt[1:]))) == 0  # first token differs
 
 
 def test_cached_blocks_are_evicted_lru_only_when_the_pool_needs_them() -> None:
@@ -152,6 +160,7 @@ def test_hit_counters_are_exact_on_a_scripted_sequence() -> None:
         s.add(seq)
         out = s.schedule()
         assert out.seqs == [seq]
+        assert out.shared_kv == ([0] if rid == "exact-block" else [])
         seq.num_computed_tokens += seq.num_scheduled_tokens
         bm.cache_blocks(seq)
         s.finish(seq, "stop")
@@ -161,7 +170,8 @@ def test_hit_counters_are_exact_on_a_scripted_sequence() -> None:
         ("cold", system + _toks(10, 1), 0),  # nothing cached yet
         ("same-system", system + _toks(30, 2), 32),  # the system prompt's two full blocks
         ("repeat", system + _toks(30, 2), 64),  # 70 tokens: (70 - 1) // 16 = 4 blocks
-        ("exact-block", system[:32], 16),  # 32 tokens: the last is computed, so one block
+        # 32 tokens, both blocks cached: only the last token is computed (it stores no KV)
+        ("exact-block", system[:32], 31),
         ("other", _toks(50, 3), 0),
     ]
     for rid, tokens, cached in script:
@@ -169,7 +179,7 @@ def test_hit_counters_are_exact_on_a_scripted_sequence() -> None:
         assert seq.num_cached_tokens == cached, rid
         assert seq.num_scheduled_tokens == 0 and seq.num_computed_tokens == len(tokens)
     assert bm.stats.queries == sum(len(t) for _, t, _ in script)
-    assert bm.stats.hits == 32 + 64 + 16
+    assert bm.stats.hits == 32 + 64 + 31
     assert (bm.stats.requests, bm.stats.requests_hit) == (5, 3)
     assert bm.num_used_blocks == 0
 
@@ -238,6 +248,18 @@ def _run_waves(
     return got
 
 
+def _run_one(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], int | None]:
+    """One request run to the end: its tokens and the cached tokens its outputs report."""
+    engine.add_request(rid, prompt, GREEDY)
+    got: list[int] = []
+    cached = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.extend(out.new_token_ids)
+            cached = out.num_cached_tokens
+    return got, cached
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_same_tokens_with_caching_on_and_off(async_scheduling: bool) -> None:
     off = _run_waves(_engine(False, async_scheduling=async_scheduling), WAVES)
@@ -246,6 +268,39 @@ def test_same_tokens_with_caching_on_and_off(async_scheduling: bool) -> None:
     assert on == off
     stats = on_engine.prefix_cache_stats()
     assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_requests_hit"] >= 4
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_prompt_found_whole_computes_one_decode_row_and_writes_no_shared_block(
+    async_scheduling: bool,
+) -> None:
+    """A repeated prompt that ends on a block boundary shares every block: its last token is
+    computed again for its logits in a decode step (no prefill), stores nothing in the shared
+    block, and the tokens equal caching off."""
+    prompt = SYSTEM[:64]  # four full blocks
+    off = _run_waves(_engine(False, async_scheduling=async_scheduling), [[("p", prompt)]])
+    engine = _engine(True, async_scheduling=async_scheduling)
+    first = _run_waves(engine, [[("first", prompt)]])["first"]
+    bm, cache = engine.block_manager, engine.runner.kv_cache
+    seq = Sequence("probe", prompt, GREEDY)
+    blocks = bm.match_prefix(seq)
+    assert len(blocks) == 4
+    before = cache[:, :, blocks].clone()
+    phases: list[bool] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        if out:
+            phases.append(out.is_prefill)
+        return out
+
+    engine.scheduler.schedule = spy
+    got, cached = _run_one(engine, "again", prompt)
+    assert got == first == off["p"]
+    assert cached == 63
+    assert phases and not any(phases)  # its first step was a decode step, as every later one
+    assert torch.equal(cache[:, :, blocks], before)
 
 
 def test_cached_tokens_reported_per_request() -> None:
@@ -284,13 +339,7 @@ def test_a_request_after_eviction_recomputes_correctly() -> None:
     _run_waves(engine, [[(f"o{i}", [2 + i] + _toks(100, i)) for i in range(2)]])  # fill the pool
     assert engine.block_manager.stats.evicted_blocks > 0
     assert len(engine.block_manager.match_prefix(Sequence("q", SYSTEM + [3], GREEDY))) < 5
-    engine.add_request("again", SYSTEM + [3], GREEDY)
-    got: list[int] = []
-    cached = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got.extend(out.new_token_ids)
-            cached = out.num_cached_tokens
+    got, cached = _run_one(engine, "again", SYSTEM + [3])
     assert got == first and cached is not None and cached < 80
 
 

@@ -101,6 +101,7 @@ class StepBatch:
         logits_all: bool = False,  # a verify step: logits of every row (k + 1 per request)
         *,
         rows: StepRows | None = None,
+        shared_kv: tuple[int, ...] = (),
     ) -> None:
         if seqs is None and rows is None:
             raise ValueError("a StepBatch needs its sequences' rows")
@@ -108,9 +109,14 @@ class StepBatch:
         self._rows = rows
         self.is_prefill = is_prefill
         self.logits_all = logits_all
+        # Sequences (indices) whose one scheduled row already has its key and value in a
+        # shared cached block (a prompt found whole in the prefix cache): the row is computed
+        # for its logits but stores nothing, since a shared block is never written again.
+        self.shared_kv = shared_kv
 
     @classmethod
-    def of(cls, seqs: Iterable[ScheduledSequence], is_prefill: bool) -> StepBatch:
+    def of(cls, seqs: Iterable[ScheduledSequence], is_prefill: bool,
+           shared_kv: tuple[int, ...] = ()) -> StepBatch:
         seqs = seqs if isinstance(seqs, list) else list(seqs)
         starts = [s.num_computed_tokens for s in seqs]
         counts = [s.num_scheduled_tokens for s in seqs]
@@ -130,7 +136,7 @@ class StepBatch:
             [s.pending_src for s in seqs],
             samples,
         )
-        return cls(None, is_prefill, rows=rows)
+        return cls(None, is_prefill, rows=rows, shared_kv=shared_kv)
 
     @property
     def seqs(self) -> list[SeqRows]:

@@ -128,11 +128,14 @@ class BlockManager:
             hashes += hash_blocks(parent, tokens[first * bs : end * bs], bs, extras)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding seq's leading full blocks; the last token is always computed
-        (its logits are needed), so at most (num_tokens - 1) // block_size blocks."""
+        """Cached blocks holding seq's leading full blocks. The last token is always computed
+        (its logits are needed): a hit ends before the block holding it, unless that block is
+        the prompt's last full block, which may be taken too. The last token then computes
+        its logits from the cached block, storing nothing (computed_prefix; shared blocks are
+        never written), so a prompt found whole costs one decode row, not a block's prefill."""
         if not self.enable_prefix_caching:
             return []
-        limit = (seq.num_tokens - 1) // self.block_size
+        limit = seq.num_tokens // self.block_size
         self._hash_blocks(seq, limit * self.block_size)
         hit: list[int] = []
         for key in seq.block_hashes[:limit]:
@@ -159,8 +162,13 @@ class BlockManager:
             self.ref_counts[block] += 1
         seq.block_table.extend(hit)
         seq.num_registered_blocks = len(hit)
-        seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_computed_tokens = self.computed_prefix(seq, hit)
         self.grow(seq, num_tokens)
+
+    def computed_prefix(self, seq: Sequence, hit: list[int]) -> int:
+        """Tokens of seq a hit leaves computed: all its blocks' tokens, less the last token
+        when the hit holds it (match_prefix), which is computed again for its logits."""
+        return min(len(hit) * self.block_size, seq.num_tokens - 1)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody uses, and the counters (after a synthetic warm-up).

@@ -319,8 +319,8 @@ class LLMEngine:
 
     def _speculates(self, sched: SchedulerOutput) -> bool:
         """A pure decode step of sequences with every token on the host, room for k drafts."""
-        if sched.is_prefill or self._launched is not None:
-            return False
+        if sched.is_prefill or self._launched is not None or sched.shared_kv:
+            return False  # a verify stores every row's KV: a shared block must not be written
         if any(s.num_computed_tokens + 1 != s.num_tokens or s.kv_payload is not None
                for s in sched.seqs):
             return False
@@ -356,7 +356,7 @@ class LLMEngine:
         """Queue the step's forward and sampling; placeholders for the sequences that go on."""
         self._place_pulled_kv(sched.seqs)
         before = self._launched.tokens if self._launched is not None else None
-        batch = StepBatch.of(sched.seqs, sched.is_prefill)
+        batch = StepBatch.of(sched.seqs, sched.is_prefill, tuple(sched.shared_kv))
         self.last_batch = batch  # what the step ran (atom.entrypoints.core.step_trace)
         logits, sampled = self.runner.execute_model(batch, before)
         seqs = sched.seqs

@@ -270,6 +270,8 @@ class ModelRunner:
             blocks = pos // bs
             table = self.staging.host("block_tables")
             slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
+        if batch.shared_kv:
+            _store_nothing(slots, r.num_tokens, batch.shared_kv)
         return self._build(_padded(ids, rows, 0), _padded(pos, rows, 0), _padded(slots, rows, -1),
                            _padded(q, nseq, q_pad), _padded(ctx, nseq, 0), None, is_prefill,
                            num_seqs, num_rows, pending_tokens if pending else None, verify_rows)
@@ -446,6 +448,18 @@ def _padded(values: Any, n: int, fill: int) -> Any:
     if isinstance(values, list):
         return values + [fill] * (n - len(values))
     return np.concatenate((values, np.full(n - len(values), fill, dtype=values.dtype)))
+
+
+def _store_nothing(slots: Any, num_tokens: list[int], seqs: tuple[int, ...]) -> None:
+    """Slot -1 (store nothing) for the one row of each of seqs: its key and value are in a
+    shared cached block already (StepBatch.shared_kv). The decode kernels then take the row's
+    own key and value from registers and the torch path reads the cached ones."""
+    first = [0, *accumulate(num_tokens)]
+    for i in seqs:
+        if num_tokens[i] != 1:
+            raise ValueError(f"a sequence whose key and value are cached computes one row, "
+                             f"not {num_tokens[i]}")
+        slots[first[i]] = -1
 
 
 def _short_table(rows: StepRows, i: int, position: int) -> IndexError:

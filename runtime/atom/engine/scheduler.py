@@ -7,7 +7,8 @@ queue with its tokens (prompt + outputs so far), to be prefilled again later. No
 is dropped; greedy output is unchanged because the recomputed cache is the same.
 
 Prefix caching (BlockManager.match_prefix): a sequence with nothing computed starts with the
-cached blocks of its leading full blocks and prefills only the rest (at least its last token).
+cached blocks of its leading full blocks and prefills only the rest (at least its last token;
+a prompt found whole computes only that token, a decode row that stores nothing).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from atom.engine.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)  # each with num_scheduled_tokens set
     preempted: list[Sequence] = field(default_factory=list)
+    # Indices in seqs of prompts found whole in the cache: their one row stores no KV
+    # (StepBatch.shared_kv).
+    shared_kv: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +113,7 @@ class Scheduler:
             # prefix; a pulled one (kv_payload) already has its prompt computed elsewhere.
             fresh = seq.num_computed_tokens == 0 and not seq.block_table
             hit = self.bm.match_prefix(seq) if fresh else []
-            start = len(hit) * self.bm.block_size if fresh else seq.num_computed_tokens
+            start = self.bm.computed_prefix(seq, hit) if fresh else seq.num_computed_tokens
             remaining = seq.num_tokens - start
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
@@ -128,6 +132,8 @@ class Scheduler:
                 self.bm.grow(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled_tokens = n
+            if start < len(hit) * self.bm.block_size:  # its last token's KV is in the hit
+                out.shared_kv.append(len(out.seqs))
             self.running.append(seq)
             out.seqs.append(seq)
             budget -= n

@@ -30,19 +30,21 @@ class ExecuteStep(msgspec.Struct, tag=True, array_like=True, gc=False):
     pending_src: list[int | None]
     samples: list[bool]
     pending: int = NO_PENDING
+    shared_kv: list[int] = []  # StepBatch.shared_kv
 
     @classmethod
     def of(cls, batch: StepBatch, pending: int, tables: TableDelta) -> ExecuteStep:
         r = batch.rows
         return cls(batch.is_prefill, batch.logits_all, r.request_ids, r.token_ids, r.num_tokens,
                    r.starts, tables.encode(r.request_ids, r.block_tables), r.pending_src,
-                   r.samples, pending)
+                   r.samples, pending, list(batch.shared_kv))
 
     def batch(self, tables: TableDelta) -> StepBatch:
         rows = StepRows(self.request_ids, self.token_ids, self.num_tokens, self.starts,
                         tables.decode(self.request_ids, self.block_tables), self.pending_src,
                         self.samples)
-        return StepBatch(None, self.is_prefill, self.logits_all, rows=rows)
+        return StepBatch(None, self.is_prefill, self.logits_all, rows=rows,
+                         shared_kv=tuple(self.shared_kv))
 
 
 class TableDelta:
