@@ -34,8 +34,16 @@ def summarise(rows: list[dict[str, Any]], gap_ms: float, min_seqs: int) -> dict[
         return {"steps": 0}
     wall = sum(r["step_us"] + r["route_us"] + g for r, g in busy)
     out: dict[str, Any] = {"steps": len(busy), "wall_ms": round(wall / 1e3, 1)}
-    for kind, pick in (("decode", False), ("prefill_or_mixed", True)):
-        sel = [(r, g) for r, g in busy if r["prefill"] is pick]
+    # A step() launches one step and then reads the one before it: the step after a mixed one
+    # is where the host waits for the mixed step's GPU work.
+    after_mixed = {id(b) for a, b in itertools.pairwise(rows) if a["prefill"]}
+    groups = (
+        ("decode", lambda r: not r["prefill"]),
+        ("prefill_or_mixed", lambda r: r["prefill"]),
+        ("after_mixed", lambda r: id(r) in after_mixed),
+    )
+    for kind, pick in groups:
+        sel = [(r, g) for r, g in busy if pick(r)]
         if not sel:
             continue
         step = [r["step_us"] for r, _ in sel]
@@ -47,6 +55,8 @@ def summarise(rows: list[dict[str, Any]], gap_ms: float, min_seqs: int) -> dict[
             "share_of_wall": round((sum(step) + sum(route) + sum(loop)) / wall, 3),
             "step_us_p50": round(statistics.median(step), 1),
             "step_us_p90": round(statistics.quantiles(step, n=10)[-1], 1) if len(step) > 1 else step[0],
+            # scheduling + launch of the step (the rest of step_us: reading the one before)
+            "launch_us_p50": round(statistics.median(r.get("launch_us", 0.0) for r, _ in sel), 1),
             "route_us_p50": round(statistics.median(route), 1),
             "loop_us_p50": round(statistics.median(loop), 1),
             "seqs_p50": statistics.median(r["seqs"] for r, _ in sel),

@@ -37,8 +37,11 @@ def test_served_steps_are_traced_and_summarised(tmp_path: Path) -> None:
     decodes = [r for r in rows if not r["prefill"] and r["seqs"]]
     assert decodes and all(r["tokens"] == r["seqs"] == 1 for r in decodes)
     assert all(r["step_us"] > 0 and r["route_us"] >= 0 for r in rows)
+    # the launch is part of the step: scheduling and launching, before reading the one before
+    assert all(0 < r["launch_us"] <= r["step_us"] for r in rows if r["seqs"])
     assert sum(r["outs"] for r in rows) >= 12  # each of the 12 tokens left in some step's outputs
     report = summarise(rows, gap_ms=1e6, min_seqs=1)
     assert report["decode"]["steps"] + report.get("prefill_or_mixed", {}).get("steps", 0) == len(
         [r for r in rows[:-1] if r["seqs"]]
     )
+    assert report["after_mixed"]["steps"] >= 1  # the decode step that read the prefill

@@ -116,6 +116,7 @@ class LLMEngine:
         self._copier = SampledCopier(self.runner.max_num_seqs, self.runner.device)
         self._launched: LaunchedStep | None = None
         self.last_batch: StepBatch | None = None  # the last step() launched (None: none)
+        self.last_launch_s = 0.0  # how long its scheduling and launch took (the rest: reading)
         self.eos_token_ids = set(self.hf_config.eos_token_id)
         # Prompt blocks of finished prefill-role sequences, kept until pulled (atom.disagg).
         self.kv_holds = KVHoldRegistry(DEFAULT_KV_HOLD_S)
@@ -305,7 +306,9 @@ class LLMEngine:
                 seq.num_scheduled_tokens = 0
             return outputs
         idle = self._launched is None  # no step in flight: nothing to overlap with
+        t0 = time.perf_counter()
         launched = self._launch(sched, check_first=idle) if sched else None
+        self.last_launch_s = time.perf_counter() - t0
         if self._launched is not None:
             outputs.extend(self._read(self._launched))
         self._launched = launched

@@ -1,8 +1,10 @@
 """Per-step records of the engine core's loop, for diagnosing served throughput (issue 26).
 
 Off unless ATOM_STEP_TRACE names a file. Then each turn that ran a step appends one record:
-when it started, how long `LLMEngine.step()` took, how long routing its outputs took, and
-what the step was (sequences, scheduled tokens, whether it held prefill rows). The gaps
+when it started, how long `LLMEngine.step()` took and how much of that was scheduling and
+launching the new step (the rest is reading the step before: waiting for the GPU), how long
+routing its outputs took, and what the step was (sequences, scheduled tokens, whether it held
+prefill rows). The gaps
 between records are the loop's own time (input draining, stats). Records are buffered and
 written as JSON lines every FLUSH_EVERY steps and at exit, so the loop pays a few
 perf_counter reads and one list append a step.
@@ -25,7 +27,9 @@ FLUSH_EVERY = 4096
 @dataclass
 class StepTrace:
     path: str
-    _rows: list[tuple[float, float, float, int, int, bool, int]] = field(default_factory=list)
+    _rows: list[tuple[float, float, float, float, int, int, bool, int]] = field(
+        default_factory=list
+    )
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -39,7 +43,10 @@ class StepTrace:
         if batch is not None:
             rows = batch.rows
             seqs, tokens, prefill = len(rows.num_tokens), len(rows.token_ids), batch.is_prefill
-        self._rows.append((start, stepped - start, routed - stepped, seqs, tokens, prefill, outs))
+        launch = float(getattr(engine, "last_launch_s", 0.0))
+        self._rows.append(
+            (start, stepped - start, launch, routed - stepped, seqs, tokens, prefill, outs)
+        )
         if len(self._rows) >= FLUSH_EVERY:
             self.flush()
 
@@ -47,12 +54,13 @@ class StepTrace:
         if not self._rows:
             return
         with open(self.path, "a", encoding="utf-8") as f:
-            for t, step, route, seqs, tokens, prefill, outs in self._rows:
+            for t, step, launch, route, seqs, tokens, prefill, outs in self._rows:
                 f.write(
                     json.dumps(
                         {
                             "t": round(t, 6),
                             "step_us": round(step * 1e6, 1),
+                            "launch_us": round(launch * 1e6, 1),
                             "route_us": round(route * 1e6, 1),
                             "seqs": seqs,
                             "tokens": tokens,
