@@ -230,12 +230,13 @@ def _specs(args: argparse.Namespace) -> dict[str, dict | None]:
             "model": args.model,
             "num_speculative_tokens": k,
         }
-    specs[f"ngram_k{args.ngram_k}"] = {
-        "method": "ngram",
-        "num_speculative_tokens": args.ngram_k,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-    }
+    for k in args.ngram_k:
+        specs[f"ngram_k{k}"] = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
     return specs
 
 
@@ -297,7 +298,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
-    ap.add_argument("--ngram-k", type=int, default=3)
+    ap.add_argument("--ngram-k", type=int, nargs="+", default=[3, 5])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--context", type=int, default=512, help="verify-step timing: cached tokens")
@@ -316,6 +317,7 @@ def main() -> None:
         args.batches, args.ks, args.max_tokens, args.prompt_len = [1, 2], [1, 3], 24, 16
         args.context, args.iters, args.max_model_len, args.num_kv_blocks = 32, 5, 128, 64
         args.chain_n = 64  # of tiny-llama's 256 ids and 128 MLP channels
+        args.ngram_k = [3]
 
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name()
