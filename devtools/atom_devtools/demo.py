@@ -32,6 +32,8 @@ from typing import Any, TextIO
 
 import yaml
 
+from atom_devtools.devcluster.crds import wait_crd_established
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "atomdeployment.yaml"
 CRD_NAME = "atomdeployments.atom.dev"
@@ -78,21 +80,7 @@ class Kubectl:
 
 def install_crd(kubectl: Kubectl) -> None:
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    wait_established(kubectl, CRD_NAME)
-
-
-def wait_established(kubectl: Kubectl, name: str, timeout: float = 60.0) -> None:
-    """Poll the CRD's Established condition. `kubectl wait --for=condition=Established` right
-    after the create fails at once ("<nil> is of the type <nil>") while the new object has no
-    status.conditions yet, instead of waiting for them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        conditions = kubectl.json(f"crd/{name}").get("status", {}).get("conditions") or []
-        if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"crd/{name} not Established after {timeout:.0f}s: {conditions}")
-        time.sleep(0.2)
+    wait_crd_established(kubectl, CRD_NAME)
 
 
 def _get(url: str, timeout: float = 2) -> tuple[int, str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import uuid
 
+from atom_devtools.devcluster.crds import wait_crd_established
+
 from .kube import apply, get_json, wait_for
 
 RULE_MESSAGE = "replicas must not exceed maxReplicas"
@@ -41,7 +43,7 @@ def _crd(group: str) -> dict:
 def test_cel_rule_refuses_invalid_object_with_its_message(cluster, namespace):
     group = f"g{uuid.uuid4().hex[:6]}.tests.atom.dev"
     apply(cluster, _crd(group))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}", "--timeout=60s")
+    wait_crd_established(cluster.kubectl, f"widgets.{group}")
 
     def widget(name: str, replicas: int) -> dict:
         return {"apiVersion": f"{group}/v1", "kind": "Widget",

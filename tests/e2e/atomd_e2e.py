@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from atom_devtools.devcluster.crds import wait_crd_established
 from atom_operator.kube import Kube
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,19 +219,6 @@ def env_with_path(cluster_env: dict[str, str]) -> dict[str, str]:
 
 
 def install_crd(kubectl: Kubectl) -> None:
-    """Apply the generated CRD and wait until it is served (`kubectl wait` fails while the
-    CRD has no conditions yet)."""
+    """Apply the generated CRD and wait until it is served."""
     kubectl("apply", "--server-side", "-f", str(CRD))
-
-    def established() -> bool:
-        out = kubectl(
-            "get",
-            "crd",
-            "atomdeployments.atom.dev",
-            "-o",
-            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-            check=False,
-        )
-        return out.stdout.strip() == "True"
-
-    wait_for(established, timeout=60, what="CRD Established")
+    wait_crd_established(kubectl, "atomdeployments.atom.dev")

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from atom_devtools.devcluster.crds import wait_crd_established
 from atom_operator import builders, crdgen, models, naming
 from atom_operator.builders import Owner
 from atom_operator.models import AtomDeploymentSpec
@@ -163,7 +164,7 @@ def api(cluster) -> Iterator[tuple[Any, str]]:
     """The cluster with this checkout's CRD installed, and a namespace to dry-run into."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crdgen.CRD_PATH))
     name = f"{models.PLURAL}.{models.GROUP}"
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    wait_crd_established(cluster.kubectl, name)
     namespace = f"cel-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", namespace)
     yield cluster, namespace
