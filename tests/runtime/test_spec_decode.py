@@ -9,6 +9,7 @@ import torch
 
 from atom.config import CompilationConfig, Config, CUDAGraphMode, SpeculativeConfig
 from atom.engine import LLMEngine, SamplingParams
+from atom.engine.sequence import Sequence
 from atom.spec_decode.ngram import NgramDrafter
 from atom.spec_decode.rejection import accept_point_mass, verify
 
@@ -215,6 +216,29 @@ def test_preemption_and_abort_roll_back(ref: LLMEngine, spec: dict) -> None:
             e.abort_request("a1")
     assert got["a0"] == want[0] and got["a2"] == want[2]
     assert e.stats()["kv_blocks_used"] == 0 and e.block_manager.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+def test_a_prompt_found_whole_is_not_verified_over_its_shared_block(
+    ref: LLMEngine, spec: dict
+) -> None:
+    """A repeated prompt that ends on a block boundary computes its last token as a decode row
+    that stores nothing (the block is shared): that step must not be a verify, which would
+    store every row. Tokens equal no speculation and the shared blocks keep their bytes."""
+    prompt = LONG[:32]  # two full blocks
+    want = ref.generate([prompt], GREEDY)[0]
+    e = _engine(spec)
+    assert e.generate([prompt], GREEDY) == [want]
+    probe = Sequence("probe", prompt, GREEDY)
+    blocks = e.block_manager.match_prefix(probe)
+    assert len(blocks) == 2
+    before = e.runner.kv_cache[:, :, blocks].clone()
+    outs = _run(e, {"again": (prompt, GREEDY)})["again"]
+    assert [t for o in outs for t in o.new_token_ids] == want
+    assert outs[-1].num_cached_tokens == 31
+    assert torch.equal(e.runner.kv_cache[:, :, blocks], before)
+    assert e.stats()["spec_decode_num_draft_tokens"] > 0  # its later steps speculated
+    assert e.stats()["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
