@@ -299,6 +299,7 @@ class LLMEngine:
         self.reclaim_kv()
         outputs, self._pending = self._pending, []
         self.last_batch = None
+        self.last_launch_s = 0.0  # a speculative step launches nothing of its own here
         sched = self.scheduler.schedule()
         if self.spec is not None and sched and self._speculates(sched):
             self.spec.step(sched.seqs, lambda seq, toks, lps: self._emit(seq, toks, lps, outputs))

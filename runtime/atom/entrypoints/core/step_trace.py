@@ -4,10 +4,9 @@ Off unless ATOM_STEP_TRACE names a file. Then each turn that ran a step appends 
 when it started, how long `LLMEngine.step()` took and how much of that was scheduling and
 launching the new step (the rest is reading the step before: waiting for the GPU), how long
 routing its outputs took, and what the step was (sequences, scheduled tokens, whether it held
-prefill rows). The gaps
-between records are the loop's own time (input draining, stats). Records are buffered and
-written as JSON lines every FLUSH_EVERY steps and at exit, so the loop pays a few
-perf_counter reads and one list append a step.
+prefill rows). The gaps between records are the loop's own time (input draining, stats).
+Records are buffered and written as JSON lines every FLUSH_EVERY steps and at exit, so the
+loop pays a few perf_counter reads and one list append a step.
 
     ATOM_STEP_TRACE=/tmp/steps.jsonl atom-runtime serve ...
     python bench/step_trace_report.py /tmp/steps.jsonl
