@@ -388,6 +388,12 @@ class Config:
         """Fill the length defaults once the model's config is known (docs/architecture.md)."""
         if self.max_model_len is None:
             self.max_model_len = min(int(max_position_embeddings), 4096)
+        elif self.max_model_len > max_position_embeddings:
+            # The rotary tables end there: a longer sequence would index past them mid-request.
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is above the model's "
+                f"max_position_embeddings={max_position_embeddings}"
+            )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 2048)
         if self.speculative_config is not None:

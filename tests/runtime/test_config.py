@@ -260,3 +260,10 @@ def test_finalize_model_len_defaults() -> None:
     short = Config(max_model_len=512)
     short.finalize_model_len(131072)
     assert short.max_model_len == 512 and short.max_num_batched_tokens == 2048
+
+
+def test_max_model_len_above_the_models_positions_is_refused() -> None:
+    cfg = Config(max_model_len=4096)
+    with pytest.raises(ValueError, match="max_model_len=4096 is above .* max_position_embeddings=2048"):
+        cfg.finalize_model_len(2048)
+    Config(max_model_len=2048).finalize_model_len(2048)  # the bound itself is allowed

@@ -278,7 +278,9 @@ async def _until_received(url: str, n: int) -> None:
 
 
 def test_sigterm_drains_once_and_cuts_what_runs_past_the_grace() -> None:
-    proc = start_server("--drain-seconds", "2")
+    # A 1 s grace: the long stream's 1,900 tokens take about 3 s on 2 idle cores, and a faster
+    # CI machine finished them inside the 2 s grace this test had; the short one's 20 take <0.1 s.
+    proc = start_server("--drain-seconds", "1")
     try:
         proc.wait_healthy()
 
@@ -325,7 +327,7 @@ def test_sigterm_drains_once_and_cuts_what_runs_past_the_grace() -> None:
         assert err["code"] == "engine_unavailable" and "shutting down" in err["message"]
         code = proc.proc.wait(10)
         assert code == 0, proc.log()
-        assert 1.5 < took < 6, took
+        assert 0.8 < took < 5, took
         assert proc.log().count("SIGTERM: draining") == 1
         assert proc.log().count("SIGTERM: already draining") == 1
     finally:
