@@ -155,7 +155,8 @@ def decode_rate(e: LLMEngine, prompts: list[list[int]], args: argparse.Namespace
         seqs = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
         out["acceptance_rate"] = acc / drafted
         out["mean_accepted_tokens"] = (acc + seqs) / seqs
-    for name in ("verify_graph_replays", "draft_graph_replays", "graph_replays", "eager_steps"):
+    for name in ("verify_graph_replays", "draft_graph_replays", "graph_replays", "eager_steps",
+                 "spec_decode_steps", "spec_decode_no_draft_steps"):
         out[name] = after.get(name, 0) - before.get(name, 0)
     return out
 
@@ -231,12 +232,13 @@ def _specs(args: argparse.Namespace) -> dict[str, dict | None]:
             "num_speculative_tokens": k,
         }
     for k in args.ngram_k:
-        specs[f"ngram_k{k}"] = {
-            "method": "ngram",
-            "num_speculative_tokens": k,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        }
+        for lo in args.ngram_min:
+            specs[f"ngram_k{k}" + (f"_min{lo}" if lo != 1 else "")] = {
+                "method": "ngram",
+                "num_speculative_tokens": k,
+                "prompt_lookup_min": lo,
+                "prompt_lookup_max": max(3, lo),
+            }
     return specs
 
 
@@ -297,8 +299,10 @@ def main() -> None:
     )
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
-    ap.add_argument("--ngram-k", type=int, nargs="+", default=[3, 5])
+    ap.add_argument("--ks", type=int, nargs="*", default=[1, 3, 5], help="self-draft k (none: -)")
+    ap.add_argument("--ngram-k", type=int, nargs="*", default=[3, 5])
+    ap.add_argument("--ngram-min", type=int, nargs="+", default=[1],
+                    help="n-gram prompt_lookup_min values (lookup max: 3, or the min if larger)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--context", type=int, default=512, help="verify-step timing: cached tokens")

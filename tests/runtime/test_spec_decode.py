@@ -133,6 +133,35 @@ def test_ngram_prompt_lookup() -> None:
     assert d.propose([1, 2, 3]) == [3, 3, 3]  # no match: the last token, k times
 
 
+def test_ngram_has_drafts_only_with_a_match() -> None:
+    class Seq:
+        def __init__(self, ids: list[int]) -> None:
+            self.token_ids = ids
+
+    d = NgramDrafter(3, 2, 3)
+    alone, repeats = Seq([1, 2, 3, 4, 2]), Seq([9, 1, 2, 8, 1, 2])  # [2] only: below min 2
+    assert not d.has_drafts([alone])
+    assert d.has_drafts([alone, repeats])  # one match is enough: the other is padded
+    assert d.propose_batch([alone, repeats]) == [[2, 2, 2], [8, 1, 2]]
+
+
+def test_a_step_without_any_match_decodes_plainly(ref: LLMEngine) -> None:
+    """Distinct prompt tokens and a lookup of 3: the n-gram drafter has nothing to propose, so
+    no verify forward runs (a verify of made-up drafts costs k + 1 rows for one token)."""
+    e = _engine({**NGRAM, "prompt_lookup_min": 3})
+    prompt, p = LONG[:12], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = ref.generate([prompt], p)
+    ctx = prompt + want[0]
+    scan = NgramDrafter(3, 3, 3)
+    assert all(scan.find(ctx[:n]) is None for n in range(len(prompt), len(ctx))), (
+        "precondition: the seed-fixed dummy output repeats no 3-gram"
+    )
+    assert e.generate([prompt], p) == want
+    st = e.stats()
+    assert st["spec_decode_steps"] == 0 and st["spec_decode_num_draft_tokens"] == 0
+    assert st["spec_decode_no_draft_steps"] == 5  # every decode step after the prefill's token
+
+
 def test_ngram_index_matches_the_scan() -> None:
     """The per-sequence n-gram index proposes what a scan of the whole context does, as the
     sequence grows by a few tokens per step."""
@@ -350,6 +379,8 @@ def test_sampled_requests_run_with_speculation() -> None:
 
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_bucket_keys_and_ladder(k: int) -> None:
+    from cpu_recorder import CpuOpRecorder
+
     from atom.cudagraph.region_graph import request_bucket
     from atom.cudagraph.runner import REQ_GRAPH, TOKEN_GRAPH, ForwardMode, GraphRunner
 
@@ -361,8 +392,9 @@ def test_bucket_keys_and_ladder(k: int) -> None:
             level=0, cudagraph_mode="FULL", cudagraph_capture_sizes=[1, 2, 4, 8]
         ),
     )
-    gr = GraphRunner(cfg, cuda_available=True, q_len=k + 1)
-    assert gr.ladder() == [(8, k), (4, k), (2, k), (1, k)]
+    gr = GraphRunner(cfg, recorder_factory=CpuOpRecorder, q_len=k + 1)  # FULL kept on the CPU
+    plain = [(8, 0), (4, 0), (2, 0), (1, 0)] if k else []  # FULL: a step without drafts too
+    assert gr.ladder() == [(8, k), (4, k), (2, k), (1, k)] + plain
     assert request_bucket(3, k + 1) == (3, k)
     plan = ForwardMode.decide(
         CUDAGraphMode.FULL,
@@ -375,6 +407,13 @@ def test_bucket_keys_and_ladder(k: int) -> None:
         req_keys=gr.ladder(),
     )
     assert (plan.kind, plan.key, plan.rows, plan.seqs) == (REQ_GRAPH, (4, k), 4 * (k + 1), 4)
+    plan = ForwardMode.decide(CUDAGraphMode.FULL, CUDAGraphMode.NONE, is_prefill=False,
+                              num_seqs=3, num_tokens=3, q_len=1, token_sizes=[],
+                              req_keys=gr.ladder())
+    assert (plan.kind, plan.key, plan.rows) == (REQ_GRAPH, (4, 0), 4)  # a plain step
+    assert gr.covers_plain_decode
+    assert GraphRunner(cfg, recorder_factory=CpuOpRecorder, q_len=k + 1,
+                       mode=CUDAGraphMode.TR_HYBRID).covers_plain_decode == (k == 0)
     sizes = [bs * (k + 1) for bs in (1, 2, 4, 8)]
     plan = ForwardMode.decide(
         CUDAGraphMode.TR_HYBRID,
@@ -412,7 +451,7 @@ def test_emulated_verify_and_draft_graphs_replay(ref: LLMEngine, mode: CUDAGraph
     e.warmup()
     gr = e.runner.graph_runner
     if mode == CUDAGraphMode.FULL:
-        assert gr.req_graph.keys() == [(1, k), (2, k), (4, k)]
+        assert gr.req_graph.keys() == [(1, 0), (1, k), (2, 0), (2, k), (4, 0), (4, k)]
     else:
         assert gr.token_sizes("decode") == [4, 8, 16]
     assert e.draft_runner.graph_runner.req_graph.keys() == [(1, 0), (2, 0), (4, 0)]
@@ -423,6 +462,28 @@ def test_emulated_verify_and_draft_graphs_replay(ref: LLMEngine, mode: CUDAGraph
     assert d.get("verify_graph_replays", 0) > 0
     assert d.get("draft_graph_replays", 0) > 0
     assert d["verify_graph_replays"] == d["spec_verify_steps"]
+
+
+def test_emulated_steps_without_drafts_replay_plain_buckets(ref: LLMEngine) -> None:
+    """FULL under speculation records plain (bs, 0) buckets too: n-gram steps without a match
+    decode one row per request on a replayed graph, not eagerly and not as a padded verify."""
+    from cpu_recorder import CpuOpRecorder
+
+    from atom.cudagraph.runner import GraphRunner
+    from atom.utils.counters import counters
+
+    cc = CompilationConfig(level=0, cudagraph_mode=CUDAGraphMode.FULL,
+                           cudagraph_capture_sizes=[1, 2, 4])
+    cfg = _config({**NGRAM, "prompt_lookup_min": 3}, compilation_config=cc)
+    e = LLMEngine(cfg)
+    e.runner.graph_runner = GraphRunner(cfg, recorder_factory=CpuOpRecorder, q_len=4)
+    e.warmup()
+    prompt, p = LONG[:12], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = ref.generate([prompt], p)
+    with counters.track() as d:
+        assert e.generate([prompt], p) == want
+    assert d.get("spec_no_draft_steps") == 5 and d.get("spec_verify_steps", 0) == 0
+    assert d.get("graph_replays") == 5 and d.get("eager_steps") == 1  # the prefill
 
 
 @pytest.mark.gpu

@@ -275,8 +275,23 @@ class GraphRunner:
 
     def ladder(self) -> list[tuple[int, int]]:
         """The request buckets capture records, (running_bs, draft_num), largest first: a
-        verify bucket holds bs * q_len rows (q_len = k + 1 under speculation)."""
-        return [request_bucket(bs, self.q_len) for bs in self._sizes()]
+        verify bucket holds bs * q_len rows (q_len = k + 1 under speculation). FULL decode
+        under speculation also records the plain (bs, 0) buckets: a step without drafts (the
+        n-gram drafter found no match, or no room for k more tokens) then replays one too."""
+        sizes = self._sizes()
+        keys = [request_bucket(bs, self.q_len) for bs in sizes]
+        if self._plain_ladder():
+            keys += [request_bucket(bs, 1) for bs in sizes]
+        return keys
+
+    def _plain_ladder(self) -> bool:
+        return self.q_len > 1 and self.decode_mode == CUDAGraphMode.FULL
+
+    @property
+    def covers_plain_decode(self) -> bool:
+        """Whether a plain decode step replays a graph as a verify step does (else it runs
+        eagerly: TR_HYBRID decode under speculation holds only the verify rows' buckets)."""
+        return self.q_len == 1 or self._plain_ladder() or self.mode == CUDAGraphMode.NONE
 
     @property
     def active(self) -> bool:
@@ -373,11 +388,12 @@ class GraphRunner:
         return tgs
 
     def _dummy(
-        self, runner: GraphRunnerHost, bs: int, is_prefill: bool
+        self, runner: GraphRunnerHost, bs: int, is_prefill: bool, q_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Install a fake decode batch of bs sequences in the forward context: a decode pass
         under speculation records verify steps (q_len one-token rows per request)."""
-        ids, positions, md, ctx = runner.build_dummy_decode(bs, self.q_len, verify=not is_prefill)
+        q = self.q_len if q_len is None else q_len
+        ids, positions, md, ctx = runner.build_dummy_decode(bs, q, verify=not is_prefill)
         ctx.is_prefill = is_prefill
         ctx.is_draft = self.is_draft
         runner.set_context(md, ctx)  # also installs the runner's attention layers
@@ -402,19 +418,19 @@ class GraphRunner:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(sizes, desc=f"Capturing CUDA graphs ({self.mode.name})",
+            bar = tqdm(self.ladder(), desc=f"Capturing CUDA graphs ({self.mode.name})",
                        disable=_rank() != 0, leave=False)
         except ImportError:  # pragma: no cover - tqdm is a dependency
-            bar = sizes
+            bar = self.ladder()
         with frozen_gc():
             try:
-                for bs in bar:
-                    ids, positions = self._dummy(runner, bs, is_prefill=False)
+                for bs, draft in bar:
+                    ids, positions = self._dummy(runner, bs, is_prefill=False, q_len=draft + 1)
                     runner.model(ids, positions)  # warm-up: lazy compiles, autotuning, workspaces
                     if use_full:
                         key = request_bucket(bs, int(ids.shape[0]) // bs)
                         self.req_graph.record(key, runner.model, (ids, positions), outputs)
-                    if use_tr:
+                    if use_tr and draft + 1 == self.q_len:  # token buckets: the verify rows'
                         self._record_token_graphs(runner, ids, positions)
                     self._sync()
                 if use_tr and self.mixed_mode == CUDAGraphMode.TR_HYBRID:

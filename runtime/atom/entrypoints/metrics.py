@@ -101,6 +101,10 @@ SPEC_COUNTERS = {
         "atom_spec_decode_num_emitted_tokens",
         "Tokens emitted by verify steps",
     ),
+    "spec_decode_no_draft_steps": (
+        "atom_spec_decode_no_draft_steps",
+        "Decode steps run without verification: the drafter proposed nothing",
+    ),
 }
 SPEC_GAUGES = {
     "spec_decode_acceptance_rate": (

@@ -59,6 +59,8 @@ class Drafter(Protocol):
 
     k: int
 
+    def has_drafts(self, seqs: list[Sequence]) -> bool: ...
+
     def propose_batch(self, seqs: list[Sequence]) -> list[list[int]]: ...
 
 
@@ -67,6 +69,7 @@ class SpecStats:
     """Totals since start: /metrics and /status read them through LLMEngine.stats()."""
 
     steps: int = 0  # verify forwards
+    no_draft_steps: int = 0  # decode steps run plainly: the drafter had nothing to propose
     seq_steps: int = 0  # requests verified, summed over steps
     drafted: int = 0
     accepted: int = 0
@@ -76,6 +79,7 @@ class SpecStats:
     def as_dict(self) -> dict[str, float | int | list[int]]:
         return {
             "spec_decode_steps": self.steps,
+            "spec_decode_no_draft_steps": self.no_draft_steps,
             "spec_decode_num_drafts": self.seq_steps,
             "spec_decode_num_draft_tokens": self.drafted,
             "spec_decode_num_accepted_tokens": self.accepted,
@@ -140,11 +144,16 @@ class SpecDecoder:
         return cls(spec, runner, drafter, block_manager, max_model_len, seed)
 
     def reserve(self, seqs: list[Sequence]) -> bool:
-        """Whether this scheduled pure-decode step can verify k drafts per request: every
-        request has room for k more tokens (length limit and KV blocks). True: the blocks for
-        the k draft rows are taken; False: nothing changed (the step decodes one token)."""
+        """Whether this scheduled pure-decode step can verify k drafts per request: the
+        drafter has something to propose, and every request has room for k more tokens
+        (length limit and KV blocks). True: the blocks for the k draft rows are taken; False:
+        nothing changed (the step decodes one token)."""
         k = self.k
         if any(s.num_tokens + k > self.max_model_len for s in seqs):
+            return False
+        if self._plain_is_cheap() and not self.drafter.has_drafts(seqs):
+            self.stats.no_draft_steps += 1
+            counters.inc("spec_no_draft_steps")
             return False
         need = sum(self.bm.extra_blocks(s, s.num_tokens + k) for s in seqs)
         if need > self.bm.num_free_blocks:
@@ -152,6 +161,13 @@ class SpecDecoder:
         for s in seqs:
             self.bm.grow(s, s.num_tokens + k)
         return True
+
+    def _plain_is_cheap(self) -> bool:
+        """A plain decode step replays a graph (FULL records plain buckets beside the verify
+        ones) or everything runs eagerly; under TR_HYBRID decode it would run eagerly while a
+        verify step replays, so a step without drafts still verifies padded ones there."""
+        gr = self.runner.graph_runner
+        return gr is None or gr.covers_plain_decode
 
     def step(
         self, seqs: list[Sequence], apply: Callable[[Sequence, list[int], list[float] | None], int]

@@ -61,6 +61,10 @@ class DraftModelDrafter:
         self.k = k
         self.max_rows = int(runner.config.max_num_batched_tokens)
 
+    def has_drafts(self, seqs: list[Sequence]) -> bool:
+        """A draft model always proposes."""
+        return True
+
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Fill the draft cache up to each sequence's last token (excluded): one decode row
         per sequence one token behind, prefill chunks for longer gaps."""

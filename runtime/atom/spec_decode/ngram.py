@@ -3,8 +3,11 @@
 For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens are looked up among
 the earlier tokens (prompt and output); the k tokens that followed the latest match are the
 draft. The copy may run into the tokens it is proposing (a repeating pattern), so it reads from
-tokens + draft. Without a match the draft is the last token repeated: a step keeps the uniform
-k + 1 rows its graph bucket holds, and the target still yields its one token.
+tokens + draft. When no request of a step has a match there is nothing to verify: has_drafts()
+says so and the engine runs a plain decode step (a verify of made-up drafts costs k + 1 rows
+for one token). When only some have one, the others' draft is their last token repeated: the
+step keeps the uniform k + 1 rows its graph bucket holds, and the target still yields their
+one token.
 
 Each sequence keeps an index of its n-grams (latest start of each, among those followed by a
 token), extended by the tokens it gained since the last step: a lookup costs O(n), not a scan
@@ -86,14 +89,21 @@ class NgramDrafter:
             ctx.append(tok)
         return draft
 
+    def _match(self, s: _Tokens) -> int | None:
+        index = self._index.get(s)
+        if index is None:
+            index = self._index[s] = NgramIndex(self.lookup_min, self.lookup_max)
+        index.extend(s.token_ids)  # a second call within a step adds nothing
+        return index.find(s.token_ids)
+
+    def has_drafts(self, seqs: Sequence[_Tokens]) -> bool:
+        """Whether any sequence's suffix has an earlier match (else the step decodes plainly)."""
+        return any(self._match(s) is not None for s in seqs)
+
     def propose_batch(self, seqs: Sequence[_Tokens]) -> list[list[int]]:
         out = []
         for s in seqs:
-            index = self._index.get(s)
-            if index is None:
-                index = self._index[s] = NgramIndex(self.lookup_min, self.lookup_max)
-            index.extend(s.token_ids)
-            src = index.find(s.token_ids)
+            src = self._match(s)
             out.append(
                 self.propose(s.token_ids, src) if src is not None else [s.token_ids[-1]] * self.k
             )
