@@ -11,7 +11,13 @@ import torch
 from atom.config import CompilationConfig, Config
 from atom.engine import LLMEngine, SamplingParams
 from atom.engine.block_manager import BlockManager
-from atom.engine.prefix_cache import hash_block, hash_blocks, root_hash
+from atom.engine.prefix_cache import (
+    SEGMENT_BLOCKS,
+    SegmentMemo,
+    hash_block,
+    hash_blocks,
+    root_hash,
+)
 from atom.engine.scheduler import Scheduler
 from atom.engine.sequence import PENDING_TOKEN, Sequence
 
@@ -54,6 +60,54 @@ def test_hash_blocks_are_the_chained_keys_of_hash_block() -> None:
         assert hash_blocks(root, tokens, BS, extras) == want
     # from a parent inside the chain: the blocks after it
     assert hash_blocks(want[1], tokens[2 * BS :], BS, extras[2:]) == want[2:]
+
+
+def test_segment_memo_gives_the_chained_keys_and_is_used() -> None:
+    """With the memo, a prefix hashed before is found a segment at a time (hits counted), and
+    the keys equal the block-by-block chain whatever the start index, salt or length; another
+    parent, salt or token in a segment misses; the memo keeps at most its capacity."""
+    root = root_hash("model-a", "bfloat16")
+    n = 3 * SEGMENT_BLOCKS + 5
+    tokens = _toks(n * BS)
+    memo = SegmentMemo()
+    plain = hash_blocks(root, tokens, BS, [b""] * n)
+    assert hash_blocks(root, tokens, BS, [b""] * n, memo=memo) == plain
+    assert (memo.hits, memo.misses, len(memo)) == (0, 3, 3)  # the 5-block tail is not a segment
+    assert hash_blocks(root, tokens, BS, [b""] * n, memo=memo) == plain
+    assert memo.hits == 3
+    # Started mid-chain (a sequence extended block by block, then by a lookup): same keys,
+    # segments counted from the sequence's first block.
+    k = SEGMENT_BLOCKS + 3
+    rest = hash_blocks(plain[k - 1], tokens[k * BS :], BS, [b""] * (n - k), first=k, memo=memo)
+    assert rest == plain[k:]
+    assert memo.hits == 4  # the third segment only: the second starts before block k
+    # A salt, another parent or one token changed in a segment: its own keys, no false hit.
+    salted = hash_blocks(root, tokens, BS, [b"tenant"] * n, memo=memo)
+    assert salted == hash_blocks(root, tokens, BS, [b"tenant"] * n) and salted[0] != plain[0]
+    other = hash_blocks(plain[0], tokens, BS, [b""] * n, memo=memo)
+    assert other == hash_blocks(plain[0], tokens, BS, [b""] * n) and other[0] != plain[0]
+    changed = list(tokens)
+    changed[SEGMENT_BLOCKS * BS + 1] += 1  # second segment
+    got = hash_blocks(root, changed, BS, [b""] * n, memo=memo)
+    assert got[:SEGMENT_BLOCKS] == plain[:SEGMENT_BLOCKS]
+    assert got == hash_blocks(root, changed, BS, [b""] * n)
+    assert all(a != b for a, b in zip(got[SEGMENT_BLOCKS:], plain[SEGMENT_BLOCKS:], strict=True))
+    small = SegmentMemo(capacity=2)
+    hash_blocks(root, tokens, BS, [b""] * n, memo=small)
+    assert len(small) == 2
+    hash_blocks(root, tokens, BS, [b""] * n, memo=small)
+    assert small.hits == 0  # the first segment was dropped, so the chain missed from there
+
+
+def test_block_manager_lookup_uses_the_memo() -> None:
+    """A repeated prompt's lookup in the block manager finds its segments in the memo."""
+    bm = BlockManager(64, BS, enable_prefix_caching=True)
+    tokens = _toks(2 * SEGMENT_BLOCKS * BS + 4)
+    _registered(bm, "a", tokens)
+    assert bm.memo.hits == 0
+    again = _seq("b", tokens)
+    assert len(bm.match_prefix(again)) == 2 * SEGMENT_BLOCKS
+    assert bm.memo.hits == 2
 
 
 def _registered(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:
@@ -131,12 +185,13 @@ def test_held_blocks_are_never_evicted() -> None:
 
 def test_blocks_with_a_pending_token_are_not_keyed() -> None:
     bm = BlockManager(4, BS, enable_prefix_caching=True)
-    s = _seq("s", _toks(BS - 1) + [PENDING_TOKEN] + _toks(4))
+    # A step launched while the one before is unread: two placeholders, the last tokens.
+    s = _seq("s", _toks(BS - 1) + [PENDING_TOKEN, PENDING_TOKEN])
     bm.grow(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens
     bm.cache_blocks(s)
     assert bm.num_cached_blocks == 0 and s.block_hashes == []
-    s.token_ids[BS - 1] = 77  # the host read it
+    s.token_ids[BS - 1] = 77  # the host read the first
     bm.cache_blocks(s)
     assert bm.num_cached_blocks == 1
 

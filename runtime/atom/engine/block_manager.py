@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from atom.engine.batch import PENDING_TOKEN
-from atom.engine.prefix_cache import BlockHash, PrefixCacheStats, hash_blocks, root_hash
+from atom.engine.prefix_cache import (
+    BlockHash,
+    PrefixCacheStats,
+    SegmentMemo,
+    hash_blocks,
+    root_hash,
+)
 from atom.engine.sequence import Sequence
 
 
@@ -40,6 +46,7 @@ class BlockManager:
         self.cached: dict[BlockHash, int] = {}  # key -> block, in use or not
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unowned cached, LRU first
         self.stats = PrefixCacheStats()
+        self.memo = SegmentMemo()  # prefixes hashed before: a digest a segment (hash_blocks)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -111,21 +118,26 @@ class BlockManager:
     # ---- prefix caching ----------------------------------------------------------------------
     def _hash_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Extend seq.block_hashes over its full blocks in the first num_tokens tokens, up to
-        the first block holding a token still on the device (PENDING_TOKEN)."""
+        the first block holding a token still on the device (PENDING_TOKEN). Pending tokens
+        are always the last ones (a step's token is appended as a placeholder and read in
+        place), so they are looked for from the end: a scan of a 4,096-token prompt for them
+        cost more than its segment digests."""
         bs = self.block_size
         hashes = seq.block_hashes
         first, end = len(hashes), num_tokens // bs
         if first >= end:
             return
         tokens = seq.token_ids
-        try:  # the blocks before the first one holding a pending token
-            end = min(end, tokens.index(PENDING_TOKEN, first * bs, end * bs) // bs)
-        except ValueError:
-            pass
+        known = len(tokens)
+        while known and tokens[known - 1] == PENDING_TOKEN:
+            known -= 1
+        end = min(end, known // bs)  # the blocks before the first one holding a pending token
         if first < end:
-            extras = [seq.block_extra_key(i) for i in range(first, end)]
+            extras = seq.block_extra_keys(first, end)
             parent = hashes[-1] if hashes else self.root
-            hashes += hash_blocks(parent, tokens[first * bs : end * bs], bs, extras)
+            hashes += hash_blocks(
+                parent, tokens[first * bs : end * bs], bs, extras, first=first, memo=self.memo
+            )
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading full blocks. The last token is always computed

@@ -63,8 +63,8 @@ class Sequence:
         self.num_draft_computed = 0
         self.spec_generator: torch.Generator | None = None
 
-    def block_extra_key(self, index: int) -> bytes:
-        return self.cache_salt
+    def block_extra_keys(self, start: int, end: int) -> list[bytes]:
+        return [self.cache_salt] * (end - start)
 
     @property
     def num_tokens(self) -> int:

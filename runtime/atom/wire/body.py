@@ -94,7 +94,9 @@ def loads_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
-    check_strings = _SURROGATE.search(raw) is not None
+    # The regex walks every byte (0.15 ms for a 4,096-id body); a substring test does not,
+    # and a surrogate needs a `\\u` escape or the 0xED lead byte.
+    check_strings = (b"\\u" in raw or b"\xed" in raw) and _SURROGATE.search(raw) is not None
     # Every container of the body opens with a `[` or `{` byte (more of them may sit in
     # strings), so with no more than MAX_DEPTH of those bytes nothing nests too deep and, without
     # a surrogate escape, there is nothing to walk: a 4,096-token prompt is one list of ints.
