@@ -139,7 +139,7 @@ def build(num_seqs: int, max_len: int, model: str = "tiny-llama") -> tuple[Any, 
     )
     stub_forward(engine)
     core = EngineCore(
-        build=lambda: engine, endpoints=CoreEndpoints("inproc://in", ["inproc://o"]), context=None
+        build=lambda: engine, endpoints=CoreEndpoints("ipc://unused-in", ["ipc://unused-out"])
     )
     core.engine = engine
     core._outs = [Sink()]

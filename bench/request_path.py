@@ -108,8 +108,7 @@ class RequestPath:
             from host_overhead import Sink
 
             engine = LLMEngine(_config(model_dir))
-            core = EngineCore(build=lambda: engine, endpoints=CoreEndpoints("inproc://i", []),
-                              context=None)  # fmt: skip
+            core = EngineCore(build=lambda: engine, endpoints=CoreEndpoints("ipc://unused", []))
             core.engine, core._outs, core._enc = engine, [Sink()], encoder()
         else:
             engine, core = build(1, MAX_LEN, model=str(model_dir))

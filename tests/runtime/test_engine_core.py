@@ -393,7 +393,7 @@ def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hol
 
     added: list[str] = []
     engine = SimpleNamespace(add_request=lambda rid, *a, **k: added.append(rid))
-    core = EngineCore(build=lambda: engine, endpoints=CoreEndpoints("", []), context=None)
+    core = EngineCore(build=lambda: engine, endpoints=CoreEndpoints("", []))
     core.engine, core.params_cls = engine, dict
     core.kv = SimpleNamespace(service=Service())
     core._outs, core._enc = [], encoder()  # _send drops what it cannot route

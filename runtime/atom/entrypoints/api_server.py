@@ -75,7 +75,7 @@ async def serve(
     logger.info("listening on http://%s:%s", host, bound)
     print(f"ATOM server listening on http://{host}:{bound}", flush=True)
     engine = state.engine
-    engine.start()
+    await engine.start()
     if on_started is not None:
         on_started()
     waits = {

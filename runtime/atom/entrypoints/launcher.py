@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from atom.entrypoints.core.engine_core import CoreEndpoints
-from atom.entrypoints.core.process import KVSettings
+from atom.entrypoints.core.process import KVSettings, remove_endpoints
 from atom.wire.kv_modes import DEFAULT_KV_PORT
 
 logger = logging.getLogger(__name__)
@@ -128,17 +128,7 @@ def run_serve(args: Any, config: Any) -> int:
         return asyncio.run(main())
     finally:
         workers.kill()
-        _remove_ipc(endpoints)
-
-
-def _remove_ipc(endpoints: CoreEndpoints) -> None:
-    for addr in [endpoints.input, *endpoints.outputs]:
-        path = addr.removeprefix("ipc://")
-        if path != addr and os.path.exists(path):
-            os.unlink(path)
-    base = os.path.dirname(endpoints.input.removeprefix("ipc://"))
-    if base.startswith("/") and os.path.isdir(base):
-        os.rmdir(base)
+        remove_endpoints(endpoints)
 
 
 @dataclass

@@ -18,11 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from atom.disagg.handle import KVHandle
 from atom.entrypoints.core import messages as msgs
+from atom.entrypoints.core.channel import AsyncOutbox, serve_inbox
 from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
 
 logger = logging.getLogger(__name__)
@@ -163,12 +161,9 @@ class CoreClient:
 
     owns_core = True  # this API server starts and stops the core
 
-    def __init__(
-        self, endpoints: CoreEndpoints, client_index: int = 0, context: zmq.Context | None = None
-    ) -> None:
+    def __init__(self, endpoints: CoreEndpoints, client_index: int = 0) -> None:
         self.endpoints = endpoints
         self.client_index = client_index
-        self._sync_ctx = context or zmq.Context()
         self.state = "starting"  # starting -> warming -> ready | failed; stopped at shutdown
         self.reason = "engine is starting"
         self.core_pid: int | None = None
@@ -190,19 +185,19 @@ class CoreClient:
         self._enc = msgs.encoder()
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self) -> None:
-        actx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
-        self._rx = actx.socket(zmq.PULL)
-        self._rx.setsockopt(zmq.RCVHWM, 0)
-        self._rx.bind(self.endpoints.outputs[self.client_index])
-        self._tx = self._sync_ctx.socket(zmq.PUSH)
-        self._tx.setsockopt(zmq.SNDHWM, 0)
-        self._tx.setsockopt(zmq.LINGER, 1000)
+    async def start(self) -> None:
+        dec = msgs.output_decoder()
+        # Each message is dispatched as it arrives, in the loop's own read callback.
+        self._rx = await serve_inbox(
+            self.endpoints.outputs[self.client_index], lambda raw: self._dispatch(dec.decode(raw))
+        )
+        self._tx = AsyncOutbox(self.endpoints.input)
         self._launch()
-        self._tx.connect(self.endpoints.input)
-        self._send(msgs.Hello(self.client_index, os.getpid()))
+        self._send(msgs.Hello(self.client_index, os.getpid()))  # sent once connected
         self._tasks = [
-            asyncio.create_task(self._receive(), name="atom-core-rx"),
+            asyncio.create_task(
+                self._tx.connect(lambda: self.core_exit() is None), name="atom-core-connect"
+            ),
             asyncio.create_task(self._monitor(), name="atom-core-monitor"),
         ]
 
@@ -226,8 +221,8 @@ class CoreClient:
         self._fail_all(EngineDead("server is shutting down"))
         if self.state != "failed":
             self.state, self.reason = "stopped", "shut down"
-        self._rx.close(linger=0)
-        self._tx.close(linger=1000)
+        self._rx.close()
+        self._tx.close()
 
     @property
     def is_ready(self) -> bool:
@@ -252,7 +247,7 @@ class CoreClient:
 
     # ---- requests -------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
-        self._tx.send(self._enc.encode(msg), zmq.NOBLOCK)
+        self._tx.send(self._enc.encode(msg))
 
     def add_request(
         self,
@@ -282,7 +277,7 @@ class CoreClient:
         data = self._enc.encode(msg)  # an unrepresentable value fails here, before any state
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
-        self._tx.send(data, zmq.NOBLOCK)
+        self._tx.send(data)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -353,19 +348,6 @@ class CoreClient:
             stream.fail(exc)
 
     # ---- core -> API ----------------------------------------------------------------------
-    async def _receive(self) -> None:
-        dec = msgs.output_decoder()
-        rx = self._rx
-        while True:
-            frame = await rx.recv(copy=False)
-            self._dispatch(dec.decode(frame.buffer))
-            while True:  # everything already queued, without another wake-up
-                try:  # with NOBLOCK the future is already done
-                    frame = rx.recv(zmq.NOBLOCK, copy=False).result()
-                except zmq.Again:
-                    break
-                self._dispatch(dec.decode(frame.buffer))
-
     def _dispatch(self, msg: Any) -> None:
         now = self.last_seen = time.monotonic()
         if isinstance(msg, msgs.StepOutputs):
@@ -476,24 +458,25 @@ class AttachedCore(CoreClient):
 
 
 class ThreadCore(CoreClient):
-    """The engine core in a thread of this process, over inproc sockets (tests, tools)."""
+    """The engine core in a thread of this process (tests, tools), over sockets in a private
+    directory."""
 
     def __init__(
         self, build: Callable[[], Any], params_cls: type | None = None, kv: Any = None
     ) -> None:
         """kv: atom.entrypoints.core.process.KVSettings, or None."""
-        tag = f"{os.getpid()}-{id(self)}"
-        endpoints = CoreEndpoints(f"inproc://atom-in-{tag}", [f"inproc://atom-out-{tag}"])
-        super().__init__(endpoints, 0, zmq.Context())
+        from atom.entrypoints.core.process import new_endpoints
+
+        super().__init__(new_endpoints(1), 0)
         self._build, self._params_cls, self._kv = build, params_cls, kv
         self._thread: threading.Thread | None = None
         self.core: EngineCore | None = None
         self._code: int | None = None
 
     def _launch(self) -> None:
-        bound = threading.Event()  # inproc: the core must bind before we connect
+        bound = threading.Event()  # the core binds its input before we connect
         self.core = EngineCore(
-            self._build, self.endpoints, self._sync_ctx, params_cls=self._params_cls, bound=bound
+            self._build, self.endpoints, params_cls=self._params_cls, bound=bound
         )
         if self._kv is not None:
             from atom.entrypoints.core.kv import CoreKV
@@ -527,3 +510,9 @@ class ThreadCore(CoreClient):
         # A core still building or warming up cannot be interrupted; its thread is a daemon.
         if self._thread is not None and self.state == "ready":
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        await super().stop(timeout)
+        from atom.entrypoints.core.process import remove_endpoints
+
+        remove_endpoints(self.endpoints)

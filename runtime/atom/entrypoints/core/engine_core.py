@@ -4,7 +4,7 @@ Each turn drains the input socket without blocking (adds and aborts that arrived
 one batch), runs one `LLMEngine.step()`, and sends one StepOutputs message with every request
 that moved. Sends never block (no high-water mark): the loop never waits on an API server.
 When idle it sleeps in a poll, waking for input, for a finished KV pull, or to send the
-heartbeat (Stats) that /livez reads.
+heartbeat (Stats) that /livez reads. The sockets are atom.entrypoints.core.channel's.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 from atom.disagg.holds import HoldCapExceeded
+from atom.entrypoints.core.channel import Inbox, Outbox, send_now
 from atom.entrypoints.core.messages import (
     AbortRequests,
     AddRequest,
@@ -57,7 +56,8 @@ FATAL_FLUSH_S = 0.5
 
 @dataclass
 class CoreEndpoints:
-    """ZeroMQ addresses: the core binds `input`; each API server i binds `outputs[i]`."""
+    """Unix socket addresses (`ipc://path`): the core binds `input`; each API server i binds
+    `outputs[i]` (atom.entrypoints.core.channel)."""
 
     input: str
     outputs: list[str]
@@ -67,11 +67,10 @@ class CoreEndpoints:
 class EngineCore:
     build: Callable[[], Any]  # -> LLMEngine (or anything with its API)
     endpoints: CoreEndpoints
-    context: zmq.Context
     kv: Any = None  # atom.entrypoints.core.kv.CoreKV, or None
     params_cls: type | None = None
     parent_pid: int | None = None  # exit when this process is gone (the API server died)
-    bound: threading.Event | None = None  # set once the input socket is bound (inproc needs it)
+    bound: threading.Event | None = None  # set once the input socket is bound
     engine: Any = None
     state: str = "starting"
     reason: str = "engine is starting"
@@ -85,35 +84,17 @@ class EngineCore:
 
     # ---- sockets --------------------------------------------------------------------------
     def _open(self) -> None:
-        ctx = self.context
-        self._in = ctx.socket(zmq.PULL)
-        self._in.setsockopt(zmq.RCVHWM, 0)
-        self._in.bind(self.endpoints.input)
-        self._outs = []
-        for addr in self.endpoints.outputs:
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow API server
-            s.setsockopt(zmq.LINGER, 1000)
-            s.connect(addr)
-            self._outs.append(s)
-        self._wake_addr = f"inproc://atom-core-wake-{id(self)}"
-        self._wake_in = ctx.socket(zmq.PULL)
-        self._wake_in.bind(self._wake_addr)
-        self._wake_out: Any = None
-        self._poller = zmq.Poller()
-        self._poller.register(self._in, zmq.POLLIN)
-        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._in = Inbox(self.endpoints.input)
+        # Never blocks the loop on a slow API server: what a socket does not take waits.
+        self._outs = [Outbox(addr) for addr in self.endpoints.outputs]
         self._enc = encoder()
         self._dec = input_decoder()
         if self.bound is not None:
             self.bound.set()
 
     def wake(self) -> None:
-        """Called from the KV I/O thread only (its own socket)."""
-        if self._wake_out is None:
-            self._wake_out = self.context.socket(zmq.PUSH)
-            self._wake_out.connect(self._wake_addr)
-        self._wake_out.send(b"")
+        """From the KV I/O thread: the idle loop's poll returns."""
+        self._in.wake()
 
     def _send(self, client: int, msg: Any) -> None:
         if 0 <= client < len(self._outs):
@@ -146,8 +127,9 @@ class EngineCore:
                     stop()
                 except Exception:
                     logger.warning("stopping the tensor-parallel workers failed", exc_info=True)
-            for s in (self._in, self._wake_in, *self._outs):
-                s.close(linger=1000)
+            for out in self._outs:
+                out.close(linger_s=1.0)
+            self._in.close()
 
     def _run(self) -> int:
         from prometheus_client import CollectorRegistry, ProcessCollector
@@ -214,11 +196,7 @@ class EngineCore:
         in a collective the dead rank will never join."""
         data = encoder().encode(EngineStatus("failed", reason, os.getpid(), self.info))
         for addr in self.endpoints.outputs:
-            s = self.context.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 1000)
-            s.connect(addr)
-            s.send(data)
-        time.sleep(FATAL_FLUSH_S)  # os._exit skips the context's linger: let them go out
+            send_now(addr, data, FATAL_FLUSH_S)
         logging.shutdown()
         os._exit(1)
 
@@ -253,16 +231,12 @@ class EngineCore:
         clock = time.perf_counter
         while True:
             busy = engine.has_unfinished_requests()
-            if busy:  # no syscall when nothing is queued: the socket says so itself
-                if self._in.getsockopt(zmq.EVENTS) & zmq.POLLIN and self._drain():
-                    return 0
-            else:
-                events = dict(self._poller.poll(IDLE_POLL_MS))
-                if self._wake_in in events:
-                    while self._wake_in.poll(0):
-                        self._wake_in.recv()
-                if self._in in events and self._drain():
-                    return 0
+            # Idle: sleep until input or a wake-up (or a send the socket did not take yet).
+            wait_ms = 0 if busy else (1 if any(o.pending for o in self._outs) else IDLE_POLL_MS)
+            if self._in.wait(wait_ms) and self._drain():
+                return 0
+            for out in self._outs:
+                out.flush()
             if self.kv is not None:
                 self._add_pulled()
             now = time.monotonic()
@@ -339,12 +313,8 @@ class EngineCore:
     # ---- input ----------------------------------------------------------------------------
     def _drain(self) -> bool:
         """Handle every queued message; True on Shutdown."""
-        while True:
-            try:
-                raw = self._in.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return False
-            msg = self._dec.decode(raw.buffer)
+        for raw in self._in.read():
+            msg = self._dec.decode(raw)
             if isinstance(msg, AddRequest):
                 self._add(msg)
             elif isinstance(msg, AbortRequests):
@@ -367,6 +337,7 @@ class EngineCore:
             elif isinstance(msg, Shutdown):
                 self._set_state("stopped", "shut down")
                 return True
+        return False
 
     def _add(self, msg: AddRequest) -> None:
         self._owner[msg.request_id] = msg.client

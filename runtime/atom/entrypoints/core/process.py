@@ -8,6 +8,7 @@ the drain and tells the core when to stop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from atom.entrypoints.core.channel import socket_path
 from atom.entrypoints.core.engine_core import CoreEndpoints
 from atom.executor.lifetime import die_with_parent
 
@@ -26,12 +28,22 @@ logger = logging.getLogger(__name__)
 
 
 def new_endpoints(num_api_servers: int) -> CoreEndpoints:
-    """IPC socket paths in a fresh private directory."""
+    """Unix socket paths in a fresh private directory (atom.entrypoints.core.channel)."""
     base = tempfile.mkdtemp(prefix="atom-ipc-")
     return CoreEndpoints(
         input=f"ipc://{base}/core-in",
         outputs=[f"ipc://{base}/api-{i}" for i in range(num_api_servers)],
     )
+
+
+def remove_endpoints(endpoints: CoreEndpoints) -> None:
+    """Remove new_endpoints' socket files and their directory (what is there of them)."""
+    paths = [socket_path(a) for a in (endpoints.input, *endpoints.outputs)]
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    with contextlib.suppress(OSError):  # not ours, or not empty: left alone
+        os.rmdir(os.path.dirname(paths[0]))
 
 
 @dataclass
@@ -74,8 +86,6 @@ def core_main(spec: CoreSpec) -> None:
         format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    import zmq
-
     from atom.entrypoints.core.engine_core import EngineCore
     from atom.entrypoints.core.kv import CoreKV
 
@@ -85,7 +95,7 @@ def core_main(spec: CoreSpec) -> None:
         # A dead tensor-parallel rank ends the core at once, reported as the reason
         return LLMEngine(spec.config, on_fatal=core.fatal)
 
-    core = EngineCore(build, spec.endpoints, zmq.Context(), parent_pid=spec.parent_pid)
+    core = EngineCore(build, spec.endpoints, parent_pid=spec.parent_pid)
     core.kv = CoreKV(spec.kv.service(), core.wake) if spec.kv is not None else None
     code = core.run()
     logging.shutdown()
