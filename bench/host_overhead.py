@@ -138,8 +138,12 @@ def build(num_seqs: int, max_len: int, model: str = "tiny-llama") -> tuple[Any, 
         )
     )
     stub_forward(engine)
+    # A runtime before the Unix-socket channel (request_path --compare) still takes a context.
+    legacy = {"context": None} if "context" in EngineCore.__dataclass_fields__ else {}
     core = EngineCore(
-        build=lambda: engine, endpoints=CoreEndpoints("ipc://unused-in", ["ipc://unused-out"])
+        build=lambda: engine,
+        endpoints=CoreEndpoints("ipc://unused-in", ["ipc://unused-out"]),
+        **legacy,
     )
     core.engine = engine
     core._outs = [Sink()]

@@ -31,6 +31,7 @@ MAX_FRAME = 1 << 31  # a message larger than this is a bug (or not ours): the pe
 RECV_BYTES = 1 << 20
 QUEUE_LIMIT = 256 << 20  # bytes a peer that never connected may have queued before sends drop
 CONNECT_RETRY_S = 0.005
+CONNECT_BACKOFF_S = 0.05
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED, errno.ENOENT)
 
 
@@ -276,15 +277,18 @@ class AsyncOutbox:
         self._closed = False
 
     async def connect(self, alive: Callable[[], bool]) -> None:
-        """Retry until connected, while alive() says the core may still bind."""
+        """Retry until connected, while alive() says the core may still bind (a spawned core
+        takes seconds to: the retries back off to CONNECT_BACKOFF_S apart)."""
         loop = asyncio.get_running_loop()
+        pause = CONNECT_RETRY_S
         while not self._closed and alive():
             try:
                 transport, _ = await loop.create_unix_connection(
                     asyncio.Protocol, socket_path(self.addr)
                 )
             except OSError:
-                await asyncio.sleep(CONNECT_RETRY_S)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, CONNECT_BACKOFF_S)
                 continue
             if self._closed:
                 transport.close()
