@@ -27,8 +27,10 @@ T = TypeVar("T")
 
 
 def git_commit(short: bool = False) -> str:
-    """HEAD of the checkout the bench runs from, or "unknown" without git."""
-    cmd = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    """HEAD of the checkout the bench runs from, "-dirty" after it when the files differ from
+    it (the device tool's copy carries an older .git under the working tree it sends), or
+    "unknown" without git."""
+    cmd = ["git", "describe", "--always", "--dirty", f"--abbrev={7 if short else 40}"]
     try:
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

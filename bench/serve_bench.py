@@ -38,7 +38,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, git_commit  # noqa: E402
+
 CLIENT_START_S = 3.0  # from submitting the client processes to their common start
 try:
     import orjson
@@ -371,20 +374,6 @@ def check_targets(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -524,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     report = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "commit": git_commit(),
+        "commit": git_commit(short=True),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "host": platform.node(),
         "model": model,
