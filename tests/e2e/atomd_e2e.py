@@ -17,11 +17,10 @@ from typing import Any, TypeVar
 
 import yaml
 
-from atom_devtools.devcluster.crds import wait_crd_established
+from atom_devtools.demo import Kubectl as DemoKubectl
+from atom_devtools.demo import install_crd
 from atom_operator.kube import Kube
 
-REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "crds" / "atomdeployment.yaml"
 T = TypeVar("T")
 
 
@@ -47,24 +46,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Kubectl:
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-
-    def __call__(
-        self, *args: str, stdin: str | None = None, check: bool = True
-    ) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            ["kubectl", *args],
-            env=self.env,
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr}")
-        return proc
+class Kubectl(DemoKubectl):
+    """The demo's kubectl (one cluster's environment), plus server-side applies of manifests
+    as the e2e user."""
 
     def apply(
         self, manifest: dict[str, Any] | list[dict[str, Any]], *extra: str, check: bool = True
@@ -77,7 +61,7 @@ class Kubectl:
             *extra,
             "-f",
             "-",
-            stdin=yaml.safe_dump_all(docs),
+            input=yaml.safe_dump_all(docs),
             check=check,
         )
 
@@ -218,7 +202,3 @@ def env_with_path(cluster_env: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **cluster_env}
 
 
-def install_crd(kubectl: Kubectl) -> None:
-    """Apply the generated CRD and wait until it is served."""
-    kubectl("apply", "--server-side", "-f", str(CRD))
-    wait_crd_established(kubectl, "atomdeployments.atom.dev")
