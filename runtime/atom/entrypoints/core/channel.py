@@ -69,8 +69,9 @@ class Frames:
 
 # ---- the engine core's side (blocking calls never; one thread) --------------------------------
 class Inbox:
-    """The core's input: one listening socket, a connection per API server, and `wake_fd`
-    (another thread's wake-up pipe), polled together."""
+    """The core's input: one listening socket, a connection per API server, and a wake-up
+    pipe for another thread, polled together. `read` touches only what the last `wait` found
+    ready (no syscall on a quiet socket: the busy loop looks once a step)."""
 
     def __init__(self, addr: str) -> None:
         self.path = socket_path(addr)
@@ -83,6 +84,7 @@ class Inbox:
         self._poll.register(self._listener, select.POLLIN)
         self._poll.register(self._wake_r, select.POLLIN)
         self._conns: dict[int, tuple[socket.socket, Frames]] = {}
+        self._ready: list[int] = []  # the fds the last wait found readable
 
     def wake(self) -> None:
         """From any thread: the next (or current) wait returns."""
@@ -91,31 +93,42 @@ class Inbox:
 
     def wait(self, timeout_ms: float) -> bool:
         """Whether anything arrived within timeout_ms (0: look, do not wait)."""
-        return bool(self._poll.poll(timeout_ms))
+        self._ready = [fd for fd, _ in self._poll.poll(timeout_ms)]
+        return bool(self._ready)
 
     def read(self) -> list[bytes]:
-        """Every whole message that arrived, in each sender's order."""
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._wake_r, 4096)
-        self._accept()
+        """Every whole message that arrived on what the last wait found ready, in each
+        sender's order (a connection accepted here is read after the next wait)."""
+        ready, self._ready = self._ready, []
         out: list[bytes] = []
-        for fd, (conn, frames) in list(self._conns.items()):
-            while True:
-                try:
-                    data = conn.recv(RECV_BYTES)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    data = b""
-                if not data:  # the API server closed or died: its messages end here
-                    self._drop(fd)
-                    break
-                try:
-                    out += frames.feed(data)
-                except ValueError:
-                    self._drop(fd)
-                    break
+        for fd in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            elif fd == self._listener.fileno():
+                self._accept()
+            elif fd in self._conns:
+                out += self._receive(fd)
         return out
+
+    def _receive(self, fd: int) -> list[bytes]:
+        conn, frames = self._conns[fd]
+        out: list[bytes] = []
+        while True:
+            try:
+                data = conn.recv(RECV_BYTES)
+            except BlockingIOError:
+                return out
+            except OSError:
+                data = b""
+            if not data:  # the API server closed or died: its messages end here
+                self._drop(fd)
+                return out
+            try:
+                out += frames.feed(data)
+            except ValueError:  # not our framing: drop the connection
+                self._drop(fd)
+                return out
 
     def _accept(self) -> None:
         while True:

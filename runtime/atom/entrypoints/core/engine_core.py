@@ -2,7 +2,8 @@
 
 Each turn drains the input socket without blocking (adds and aborts that arrived together join
 one batch), runs one `LLMEngine.step()`, and sends one StepOutputs message with every request
-that moved. Sends never block (no high-water mark): the loop never waits on an API server.
+that moved. Sends never block (what a socket does not take waits for a later turn): the loop
+never waits on an API server.
 When idle it sleeps in a poll, waking for input, for a finished KV pull, or to send the
 heartbeat (Stats) that /livez reads. The sockets are atom.entrypoints.core.channel's.
 """
