@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from atom_devtools.devcluster import LocalCluster, ProvisionError, cache, gotool, install, versions
-from atom_devtools.devcluster.provision import check_version, component_names
+from atom_devtools.devcluster.build import check_version
+from atom_devtools.devcluster.provision import component_names
 
 ROOT = Path(__file__).resolve().parents[2]
 

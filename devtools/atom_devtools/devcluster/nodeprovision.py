@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import cache, gotool, versions
 from .errors import ProvisionError
-from .provision import _publish, build_kubernetes, check_version
+from .build import build_kubernetes, check_version, publish
 
 # The pause container: waits for SIGTERM/SIGINT and reaps the children it inherits as PID 1.
 PAUSE_SOURCE = """package main
@@ -77,13 +77,13 @@ def install_containerd(go: str) -> None:
         [f"{mod}/cmd/{b}@{version}" for b in comp.binaries],
         {f"{mod}/version.Version": version},
     )
-    _publish(comp, out, {"containerd": check_version(out / "containerd", ["--version"], version)})
+    publish(comp, out, {"containerd": check_version(out / "containerd", ["--version"], version)})
 
 
 def install_coredns(go: str) -> None:
     comp, version = cache.COREDNS, versions.COREDNS
     out = _go_install(go, comp, [f"github.com/coredns/coredns@{version}"], {})
-    _publish(
+    publish(
         comp, out, {"coredns": check_version(out / "coredns", ["-version"], version.lstrip("v"))}
     )
 
@@ -145,7 +145,7 @@ def install_pause(go: str) -> None:
         gotool.run(cmd, what=f"{Path(cmd[0]).name} {cmd[1]}", log=log, cwd=wd, env=dict(os.environ))
     shutil.rmtree(bundle, ignore_errors=True)
     shutil.rmtree(layout, ignore_errors=True)
-    _publish(comp, out, {"pause": PAUSE_IMAGE})
+    publish(comp, out, {"pause": PAUSE_IMAGE})
 
 
 # --- Debian packages ---------------------------------------------------------------------

