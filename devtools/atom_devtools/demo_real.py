@@ -17,14 +17,8 @@ from typing import Any
 
 import yaml
 
-from atom_devtools.demo import (
-    ROOT,
-    Kubectl,
-    Printer,
-    _relative,
-    describe,
-    is_ready,
-)
+from atom_devtools.kubectl import ROOT, Kubectl, describe, is_ready
+from atom_devtools.printer import Printer, relative
 
 CPU_EXAMPLE = ROOT / "examples" / "atomdeployment-cpu.yaml"
 CHART = ROOT / "charts" / "atom-operator"
@@ -127,14 +121,14 @@ def run_real(args: argparse.Namespace, printer: Printer, pids: list[int]) -> Non
             cluster.node.import_image(image.layout, image.ref)
         printer.detail(f"images in the node's containerd ({time.monotonic() - start:.0f}s)")
 
-        printer.step(f"Installing the operator with Helm ({_relative(CHART)}): a real pod on the "
+        printer.step(f"Installing the operator with Helm ({relative(CHART)}): a real pod on the "
                      "real node, with the chart's RBAC")  # fmt: skip
         start = time.monotonic()
         helm_install(kubectl, images, timeout=args.timeout)
         printer.detail(f"helm install --wait: {time.monotonic() - start:.0f}s")
         printer.detail(kubectl("get", "pods", "-n", OPERATOR_NAMESPACE, "-o", "wide").stdout)
 
-        printer.step(f"Applying {_relative(example)}")
+        printer.step(f"Applying {relative(example)}")
         kubectl("create", "namespace", namespace, check=False)
         printer.detail(kubectl("apply", "-n", namespace, "-f", str(example)).stdout)
 

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,8 +16,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-from atom_devtools.demo import Kubectl as DemoKubectl
-from atom_devtools.demo import install_crd
+from atom_devtools.kubectl import Kubectl as DemoKubectl
+from atom_devtools.kubectl import install_crd
+from atom_devtools.localprocs import free_port
 from atom_operator.kube import Kube
 
 T = TypeVar("T")
@@ -38,12 +38,6 @@ def wait_for(fn: Callable[[], T], *, timeout: float, what: str, interval: float 
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Kubectl(DemoKubectl):

@@ -16,13 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from atom_devtools.demo import (
-    Kubectl,
-    LocalOperator,
-    install_crd,
-    is_ready,
-    wait_ready,
-)
+from atom_devtools.kubectl import Kubectl, install_crd, is_ready, wait_ready
+from atom_devtools.localprocs import LocalOperator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from realnode_helpers import NAMESPACE
 
-from atom_devtools.demo import Kubectl
+from atom_devtools.kubectl import Kubectl
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

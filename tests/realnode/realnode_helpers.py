@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from atom_devtools.demo import Kubectl
+from atom_devtools.kubectl import Kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "realnode"

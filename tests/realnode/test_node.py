@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from realnode_helpers import wait_for
 
-from atom_devtools.demo import Kubectl
+from atom_devtools.kubectl import Kubectl
 from atom_devtools.demo_real import RELEASE
 from atom_devtools.devcluster.realnode import NODE_NAME, TAINT_KEY
 

@@ -28,7 +28,7 @@ from realnode_helpers import (
     wait_for,
 )
 
-from atom_devtools.demo import Kubectl, is_ready
+from atom_devtools.kubectl import Kubectl, is_ready
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 

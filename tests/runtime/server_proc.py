@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
+
+from atom_devtools.localprocs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SERVER_ARGS = [
@@ -25,12 +26,6 @@ TINY_SERVER_ARGS = [
     "--dtype",
     "float32",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
