@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from realnode_helpers import wait_for
 
-from atom_devtools.kubectl import Kubectl
 from atom_devtools.demo_real import RELEASE
 from atom_devtools.devcluster.realnode import NODE_NAME, TAINT_KEY
+from atom_devtools.kubectl import Kubectl
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import realnode_helpers as rn
 
-from atom_devtools.kubectl import Kubectl, is_ready
 from atom_devtools.devcluster.realnode import NODE_NAME
+from atom_devtools.kubectl import Kubectl, is_ready
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from . import cache, gotool, versions
-from .errors import ProvisionError
 from .build import build_kubernetes, check_version, publish
+from .errors import ProvisionError
 
 # The pause container: waits for SIGTERM/SIGINT and reaps the children it inherits as PID 1.
 PAUSE_SOURCE = """package main
