@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from atom_operator import models
 
@@ -82,7 +83,7 @@ def _check_structural(node: dict[str, Any], path: str = "") -> None:
         _check_structural({"description": "item", **node["items"]}, f"{path}[]")
 
 
-def schema_for(model: type[models.BaseModel]) -> dict[str, Any]:
+def schema_for(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     return _structural(raw, defs)
@@ -152,8 +153,12 @@ def build_crd() -> dict[str, Any]:
                         },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                         # -o wide only: TP is 1 for most objects, the default view stays short.
-                        {"name": "TP", "type": "string", "priority": 1,
-                         "jsonPath": ".status.tensorParallel"},
+                        {
+                            "name": "TP",
+                            "type": "string",
+                            "priority": 1,
+                            "jsonPath": ".status.tensorParallel",
+                        },
                     ],
                 }
             ],

@@ -1,834 +1,132 @@
 """AtomDeployment spec and status: the single source of truth for the CRD schema.
 
-`crdgen` turns these models into the OpenAPI v3 schema of `crds/atomdeployment.yaml`; the
-operator parses the (API-server validated and defaulted) spec back into them. Cross-field rules
-live here as CEL (`x-kubernetes-validations`) so the API server refuses bad manifests itself.
+A re-export of the three modules that hold it, for `crdgen` and the callers that name
+`atom_operator.models`: `crd_rules` (the cross-field CEL rules), `spec` (the spec models) and
+`status_models` (the status models, which `status.compute_status` builds).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
-from pydantic.alias_generators import to_camel
-
-GROUP = "atom.dev"
-VERSION = "v1alpha1"
-KIND = "AtomDeployment"
-PLURAL = "atomdeployments"
-SINGULAR = "atomdeployment"
-SHORT_NAMES = ["atomd"]
-
-GraphMode = Literal["NONE", "TR_HYBRID", "FULL", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
-GRAPH_MODES: tuple[str, ...] = GraphMode.__args__  # type: ignore[attr-defined]
-Level = Literal[0, 1, 2, 3]
-LoadFormat = Literal["auto", "safetensors", "dummy"]
-Dtype = Literal["bfloat16", "float16", "float32", "auto"]
-RoutingPolicy = Literal["prefix", "least-outstanding"]
-Device = Literal["gpu", "cpu"]
-AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
-KVTransport = Literal["auto", "cuda-ipc", "nccl", "tcp"]
-KV_TRANSPORTS: tuple[str, ...] = KVTransport.__args__  # type: ignore[attr-defined]
-# Transports that need the prefill and decode pod of a pair on one node's GPUs.
-CO_LOCATED_TRANSPORTS = ("cuda-ipc", "nccl")
-TENSOR_SIZES = (1, 2, 4, 8)  # powers of two up to one node's GPUs
-GPU_RESOURCE = "nvidia.com/gpu"
-
-MAX_CAPTURE_SIZES = 512  # bounds the CEL cost estimate of the per-size rules
-DEFAULT_MAX_NUM_SEQS = 512  # the runtime's default (atom.cli.args)
-# metadata.name is the endpoint Service's name and the app.kubernetes.io/instance label value
-# of every child: both are DNS-1035 labels (63 characters, lowercase, no dots).
-MAX_NAME_LENGTH = 63
-NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
-QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-# Volume sources that reach the node itself (files, host binaries, git on the host).
-HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
-# The paths whose lists are capture sizes, checked against engine.maxNumSeqs.
-COMPILATION_PATHS = (
-    "compilation",
-    "disaggregation.prefill.compilation",
-    "disaggregation.decode.compilation",
+from atom_operator.crd_rules import (
+    CO_LOCATED_TRANSPORTS,
+    COMPILATION_PATHS,
+    DEFAULT_MAX_NUM_SEQS,
+    GPU_RESOURCE,
+    MAX_CAPTURE_SIZES,
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    TENSOR_SIZES,
+    cpu_graph_rules,
+    kv_transport_rule,
+    root_rules,
+    size_rules,
+    spec_rules,
+    tensor_gpu_rules,
+)
+from atom_operator.spec import (
+    GRAPH_MODES,
+    GROUP,
+    HOST_VOLUME_TYPES,
+    KIND,
+    KV_TRANSPORTS,
+    PLURAL,
+    QUANTITY,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    AccessMode,
+    AtomDeploymentSpec,
+    CamelModel,
+    Compilation,
+    CompilationOverride,
+    CompileCacheSpec,
+    Device,
+    Disaggregation,
+    DraftModelRef,
+    Dtype,
+    EngineSpec,
+    GraphMode,
+    KVTransport,
+    Level,
+    LoadFormat,
+    ModelSource,
+    MonitoringSpec,
+    NetworkPolicySpec,
+    NgramSpec,
+    Parallelism,
+    RoleSpec,
+    RouterSpec,
+    RoutingPolicy,
+    SecretKeyRef,
+    SpecMethodName,
+    SpecTokens,
+    SpeculativeSpec,
+)
+from atom_operator.status_models import (
+    AtomDeployment,
+    AtomDeploymentStatus,
+    CompileCacheStatus,
+    Condition,
+    Phase,
+    RoleStatus,
 )
 
-# Kubernetes-native sub-objects (volume source, resources, ...) are passed through untouched.
-_OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
-
-
-# CEL cannot read fields an object only preserves (x-kubernetes-preserve-unknown-fields), so
-# the GPU count of a resources object is declared; every other key stays free-form.
-_GPU_CEL = "nvidia__dot__com__slash__gpu"  # CEL's escaping of the property nvidia.com/gpu
-
-
-def _quantities(kind: str) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": f"Resource {kind} (any resource name; nvidia.com/gpu is checked against "
-        "the tensor-parallel size).",
-        "properties": {
-            GPU_RESOURCE: {
-                "x-kubernetes-int-or-string": True,
-                "description": f"GPUs per pod ({kind}). Unset: the tensor-parallel size.",
-            }
-        },
-        **_OPAQUE,
-    }
-
-
-_RESOURCES: dict[str, Any] = {
-    **_OPAQUE,
-    "properties": {"limits": _quantities("limits"), "requests": _quantities("requests")},
-}
-
-
-def _section(model: type, description: str) -> Any:
-    """A sub-object that is always present: defaulted to {} by the API server, so its own
-    field defaults apply too."""
-    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
-
-
-def _opaque_object(description: str) -> Any:
-    return Field(default=None, description=description, json_schema_extra=_OPAQUE)
-
-
-def _resources_field(description: str) -> Any:
-    return Field(default=None, description=description, json_schema_extra=_RESOURCES)
-
-
-def _has_chain(path: str, known: str = "") -> str:
-    """CEL: every step of the dotted `path` under self is set (the `known` prefix is)."""
-    parts = path.split(".")
-    skip = len(known.split(".")) if known else 0
-    steps = [f"has(self.{'.'.join(parts[: i + 1])})" for i in range(skip, len(parts))]
-    return " && ".join(steps)
-
-
-def _gpu_matches(resources: str, tensor: str, known: str = "") -> str:
-    """CEL: the nvidia.com/gpu limit and request of `resources`, where set, equal `tensor`
-    (a quantity is an int or a string: compared as text, 2 == "2")."""
-    checks = []
-    for kind in ("limits", "requests"):
-        amount = f"{resources}.{kind}.{_GPU_CEL}"
-        checks.append(
-            f"(!({_has_chain(amount, known)}) || string(self.{amount}) == string({tensor}))"
-        )
-    return " && ".join(checks)
-
-
-def tensor_gpu_rules() -> list[dict[str, str]]:
-    """CEL: an explicit tensor size and an explicit nvidia.com/gpu count of the same pods agree.
-    The operator renders the GPU count from the tensor size only where the spec names none;
-    a count set beside an unset tensor size is left as it is (specs from before the field)."""
-    shared_set = _has_chain("parallelism.tensor")
-    on_gpu = "(!has(self.device) || self.device == 'gpu')"
-    hint = "leave the GPU count unset and the operator renders it"
-    rules = [
-        {
-            "rule": f"!({on_gpu} && !has(self.disaggregation) && {shared_set}) "
-            f"|| ({_gpu_matches('resources', 'self.parallelism.tensor')})",
-            "message": "resources.limits/requests nvidia.com/gpu must equal parallelism.tensor "
-            f"({hint})",
-            "fieldPath": ".parallelism.tensor",
-            "reason": "FieldValueInvalid",
-        }
-    ]
-    for role in ("prefill", "decode"):
-        base = f"disaggregation.{role}"  # present whenever disaggregation is (required)
-        own_set = _has_chain(f"{base}.parallelism.tensor", base)
-        tensor = f"({own_set} ? self.{base}.parallelism.tensor : self.parallelism.tensor)"
-        own = _gpu_matches(f"{base}.resources", tensor, f"{base}.resources")
-        inherited = _gpu_matches("resources", tensor)
-        rules.append(
-            {
-                "rule": f"!({on_gpu} && has(self.disaggregation) && ({own_set} || {shared_set})) "
-                f"|| (has(self.{base}.resources) ? ({own}) : ({inherited}))",
-                "message": f"nvidia.com/gpu limits/requests of {base}.resources (or of resources, "
-                f"which the role inherits) must equal {base}.parallelism.tensor (or "
-                f"parallelism.tensor, which the role inherits): {hint}",
-                "fieldPath": f".{base}.parallelism",
-                "reason": "FieldValueInvalid",
-            }
-        )
-    return rules
-
-
-def kv_transport_rule() -> dict[str, str]:
-    """CEL: the GPU-to-GPU transports need GPUs."""
-    listed = ", ".join(f"'{t}'" for t in CO_LOCATED_TRANSPORTS)
-    return {
-        "rule": "!(has(self.disaggregation) && has(self.disaggregation.kvTransport) "
-        f"&& self.disaggregation.kvTransport in [{listed}]) "
-        "|| !has(self.device) || self.device == 'gpu'",
-        "message": "disaggregation.kvTransport cuda-ipc and nccl need device gpu: use auto or "
-        "tcp with device cpu",
-        "fieldPath": ".disaggregation.kvTransport",
-        "reason": "FieldValueForbidden",
-    }
-
-
-def _sizes_rule(path: str, *, single_value_clamped: bool = False) -> dict[str, str]:
-    """CEL: every capture size of `path` is at most engine.maxNumSeqs (defaults applied), as
-    the runtime's Config checks it. One cudaGraphSizes value N is a pattern the runtime clamps
-    to maxNumSeqs, so only lists of two or more values are checked there."""
-    parts = path.split(".")
-    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
-    max_seqs = f"(has(self.engine) && has(self.engine.maxNumSeqs) ? self.engine.maxNumSeqs : {DEFAULT_MAX_NUM_SEQS})"
-    check = f"self.{path}.all(s, s <= {max_seqs})"
-    message = f"every size in {path} must be at most engine.maxNumSeqs"
-    if single_value_clamped:
-        check = f"size(self.{path}) <= 1 || {check}"
-        message = (
-            f"{path} with several values is used as is: every value must be at most "
-            "engine.maxNumSeqs (one value N is a pattern clamped to maxNumSeqs)"
-        )
-    return {
-        "rule": f"!({guards}) || {check}",
-        "message": message,
-        "fieldPath": f".{path}",
-        "reason": "FieldValueInvalid",
-    }
-
-
-def size_rules() -> list[dict[str, str]]:
-    """Every capture-size list of every compilation block, whatever its length."""
-    rules = []
-    for path in COMPILATION_PATHS:
-        rules.append(_sizes_rule(f"{path}.cudagraphCaptureSizes"))
-        rules.append(_sizes_rule(f"{path}.cudaGraphSizes", single_value_clamped=True))
-    return rules
-
-
-def root_rules() -> list[dict[str, str]]:
-    """CEL on the whole object (only there can a rule read metadata.name). No fieldPath: the
-    schema may not describe metadata, so the message names the field itself."""
-    why = (
-        "it names the endpoint Service and is the app.kubernetes.io/instance label of every "
-        "child, both DNS-1035 labels"
-    )
-    return [
-        {
-            "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-            "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: {why}",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
-            "message": "metadata.name must be lowercase letters, digits and '-', start with a "
-            f"letter and end with a letter or digit (no dots): {why}",
-            "reason": "FieldValueInvalid",
-        },
-    ]
-
-
-def _cpu_graph_rule(path: str) -> dict[str, str]:
-    """CEL: on device cpu a graph mode set in `path` must be NONE (CUDA graphs need a GPU)."""
-    parts = f"{path}.cudagraphMode".split(".")
-    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
-    return {
-        "rule": f"!(has(self.device) && self.device == 'cpu' && {guards}) "
-        f"|| self.{path}.cudagraphMode == 'NONE'",
-        "message": f"device cpu runs no CUDA graphs: {path}.cudagraphMode must be NONE or unset",
-        "fieldPath": f".{path}.cudagraphMode",
-        "reason": "FieldValueForbidden",
-    }
-
-
-class _Base(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-
-class ModelSource(_Base):
-    """Which model the runtime serves and where its weights come from."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.name) || has(self.path)",
-                    "message": "model.name or model.path is required",
-                }
-            ]
-        }
-    )
-
-    name: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=253,
-        description="Model name: a built-in shape (for example llama-3.2-1b) or the name clients use "
-        "when path is set (--served-model-name).",
-    )
-    path: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=4096,
-        description="Directory inside the container with config.json and safetensors weights "
-        "(typically under /models, where volume is mounted). Passed as --model.",
-    )
-    load_format: LoadFormat = Field(
-        default="auto",
-        description="Weight format: auto, safetensors, or dummy (random weights, no files).",
-    )
-    dtype: Dtype = Field(default="bfloat16", description="Model dtype (--dtype).")
-    volume: dict[str, Any] | None = _opaque_object(
-        "Any PodSpec volume source (for example persistentVolumeClaim or hostPath) holding the "
-        "weights; mounted read-only at /models."
-    )
-
-
-class EngineSpec(_Base):
-    """Engine shape: batch and context limits shared by every role."""
-
-    max_num_seqs: int = Field(
-        default=DEFAULT_MAX_NUM_SEQS,
-        ge=1,
-        le=65536,
-        description="Maximum concurrent sequences per pod (--max-num-seqs); capture sizes may not exceed it.",
-    )
-    max_model_len: int | None = Field(
-        default=None,
-        ge=1,
-        le=1048576,
-        description="Maximum context length in tokens (--max-model-len).",
-    )
-    enforce_eager: bool = Field(
-        default=False,
-        description="Never replay CUDA graphs (--enforce-eager); compilation still applies.",
-    )
-
-
-def _level_field(default: int | None) -> Any:
-    return Field(
-        default=default,
-        description="torch.compile level: 0 none, 1 Dynamo as is, 2 Dynamo once (Inductor), "
-        "3 piecewise (production default).",
-    )
-
-
-def _mode_field() -> Any:
-    return Field(
-        default=None,
-        description="CUDA graph mode: NONE, TR_HYBRID (token graphs), FULL (request graphs), "
-        "FULL_DECODE_ONLY, FULL_AND_TR_HYBRID. Independent of level. Unset: the runtime's default "
-        "(TR_HYBRID at level 3); the decode role defaults to FULL_DECODE_ONLY.",
-    )
-
-
-class CompilationOverride(_Base):
-    """Compilation settings of one role; fields left unset inherit spec.compilation."""
-
-    level: Level | None = _level_field(None)
-    cudagraph_mode: GraphMode | None = _mode_field()
-    cudagraph_capture_sizes: list[int] | None = Field(
-        default=None,
-        max_length=MAX_CAPTURE_SIZES,
-        description="Explicit batch sizes to capture (unique, 1..engine.maxNumSeqs); overrides "
-        "cudaGraphSizes. Accepted and ignored when the mode is NONE.",
-        json_schema_extra={
-            "items": {"type": "integer", "minimum": 1},
-            "x-kubernetes-list-type": "set",
-        },
-    )
-    cuda_graph_sizes: list[int] | None = Field(
-        default=None,
-        max_length=MAX_CAPTURE_SIZES,
-        description="One value N generates [1..8] + range(16, N+1, 16); several values are used as is.",
-        json_schema_extra={"items": {"type": "integer", "minimum": 1}},
-    )
-    splitting_ops: list[str] | None = Field(
-        default=None,
-        max_length=64,
-        description="Ops that split the graph for piecewise compilation (level 3).",
-        json_schema_extra={"items": {"type": "string", "minLength": 1, "maxLength": 256}},
-    )
-    compile_sizes: list[int | str] | None = Field(
-        default=None,
-        max_length=MAX_CAPTURE_SIZES,
-        description="Shapes compiled specially by Inductor; the string cudagraph_capture_sizes "
-        "means every capture size.",
-    )
-    use_inductor: bool | None = Field(default=None, description="Compile pieces with Inductor.")
-    inductor_compile_config: dict[str, Any] | None = _opaque_object(
-        "Extra Inductor options (for example max_autotune)."
-    )
-
-
-class Compilation(CompilationOverride):
-    """Compilation and CUDA graph settings shared by every role."""
-
-    level: Level = _level_field(3)
-    use_inductor: bool = Field(default=True, description="Compile pieces with Inductor.")
-
-
-class CompileCacheSpec(_Base):
-    """The compile-cache volume: compiled artifacts reused across pods and restarts."""
-
-    enabled: bool = Field(default=True, description="Mount a compile-cache volume.")
-    size: str = Field(
-        default="20Gi",
-        pattern=QUANTITY,
-        description="Requested size of the claim the operator creates.",
-    )
-    storage_class_name: str | None = Field(
-        default=None, description="Storage class of the created claim."
-    )
-    access_modes: list[AccessMode] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
-        min_length=1,
-        description="Access modes of the created claim (several pods share one cache).",
-        json_schema_extra={"default": ["ReadWriteMany"]},
-    )
-    existing_claim: str | None = Field(
-        default=None, min_length=1, description="Use this existing claim instead of creating one."
-    )
-    retain_on_delete: bool = Field(
-        default=True, description="Keep the created claim when the AtomDeployment is deleted."
-    )
-    warmup: bool = Field(
-        default=False,
-        description="Run a warm-up Job (atom-runtime warmup) that fills the cache before serving pods roll.",
-    )
-
-
-class Parallelism(_Base):
-    """How one runtime pod splits the model over its devices."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!has(self.tensor) || self.tensor in "
-                    f"[{', '.join(map(str, TENSOR_SIZES))}]",
-                    "message": "parallelism.tensor must be a power of two at most 8 (1, 2, 4 or 8)",
-                    "fieldPath": ".tensor",
-                    "reason": "FieldValueInvalid",
-                }
-            ]
-        }
-    )
-
-    tensor: int | None = Field(
-        default=None,
-        ge=1,
-        le=max(TENSOR_SIZES),
-        description="Tensor-parallel size: worker processes per pod, one per GPU, each holding "
-        "1/N of the weights and KV heads (--tensor-parallel-size; 1, 2, 4 or 8, and it must "
-        "divide the model's attention heads, KV heads and vocabulary). On device gpu the pod "
-        "requests this many nvidia.com/gpu unless resources names a count, which must then be "
-        "equal; on device cpu the ranks talk over gloo and no GPU is requested. Unset: 1. Part "
-        "of the compile-cache key (each rank compiles into its own rank_<i> directory).",
-    )
-
-
-class RoleSpec(_Base):
-    """One disaggregated role."""
-
-    replicas: int = Field(
-        default=1,
-        ge=1,
-        description="Pods of this role (at least 1: a disaggregated deployment without prefill "
-        "or decode pods cannot serve a request; delete it to stop serving).",
-    )
-    compilation: CompilationOverride | None = Field(
-        default=None, description="Overrides of spec.compilation for this role."
-    )
-    resources: dict[str, Any] | None = _resources_field(
-        "Container resources of this role (default: spec.resources). nvidia.com/gpu unset: "
-        "the role's tensor-parallel size."
-    )
-    parallelism: Parallelism | None = Field(
-        default=None,
-        description="Parallelism of this role's pods; an unset tensor inherits spec.parallelism.",
-    )
-
-
-class RouterSpec(_Base):
-    """The router that pairs prefill and decode pods of one revision."""
-
-    replicas: int = Field(
-        default=2,
-        ge=1,
-        description="Router pods (every disaggregated request passes a router: two by default, "
-        "so a node drain or a router restart does not stop serving).",
-    )
-    resources: dict[str, Any] | None = _opaque_object("Container resources of the router.")
-    routing_policy: RoutingPolicy = Field(
-        default="prefix",
-        description="How the router picks a prefill pod (atom-router --routing-policy): prefix "
-        "sends a request to the pod that most recently served the longest prefix of its prompt "
-        "(its prefix cache holds those blocks), passing over a pod whose outstanding requests "
-        "exceed 1.5x the mean + 2; least-outstanding ignores prompts. Decode pods are always "
-        "balanced by outstanding requests. Not in the compile-cache key.",
-    )
-
-
-class Disaggregation(_Base):
-    """Prefill and decode roles behind a router (replaces spec.replicas)."""
-
-    prefill: RoleSpec = Field(description="The prefill role.")
-    decode: RoleSpec = Field(
-        description="The decode role (graph mode defaults to FULL_DECODE_ONLY)."
-    )
-    router: RouterSpec = _section(RouterSpec, "The router.")
-    kv_transport: KVTransport = Field(
-        default="auto",
-        description="How decode pods pull KV blocks from prefill pods (--kv-transport on both "
-        "roles, negotiated in the pair's handshake). auto: the fastest path both sides "
-        "support; decode pods prefer (weighted podAffinity) a node running a prefill pod of "
-        "their revision, and pairs on different nodes use TCP. cuda-ipc (GPU to GPU on one "
-        "node) and nccl: decode pods require (podAffinity on kubernetes.io/hostname) a node "
-        "running a prefill pod of their revision; device gpu only. tcp: TCP through host "
-        "memory, no placement. Not in the compile-cache key.",
-    )
-
-
-class SecretKeyRef(_Base):
-    """A key of a Secret in the AtomDeployment's namespace."""
-
-    name: str = Field(min_length=1, max_length=253, description="Secret name.")
-    key: str = Field(
-        default="api-key", min_length=1, max_length=253, description="Key in the Secret."
-    )
-
-
-def _peers_field(description: str) -> Any:
-    return Field(
-        default=None,
-        description=description,
-        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
-    )
-
-
-class NetworkPolicySpec(_Base):
-    """Ingress rules the operator renders as NetworkPolicies (docs/architecture.md)."""
-
-    enabled: bool = Field(
-        default=True,
-        description="Render NetworkPolicies: the KV port only from this AtomDeployment's decode "
-        "pods, prefill/decode HTTP only from its router, the endpoint from endpointFrom.",
-    )
-    endpoint_from: list[dict[str, Any]] | None = _peers_field(
-        "NetworkPolicyPeers allowed to the endpoint's port (unified pods, or the router). "
-        "Unset: every pod of every namespace."
-    )
-    metrics_from: list[dict[str, Any]] | None = _peers_field(
-        "NetworkPolicyPeers (a Prometheus) also allowed to the HTTP port of prefill and decode "
-        "pods, for /metrics. Unset: only the router."
-    )
-
-
-class MonitoringSpec(_Base):
-    """A Prometheus Operator PodMonitor for the runtime and router pods' /metrics."""
-
-    enabled: bool = Field(
-        default=False,
-        description="Render a PodMonitor (monitoring.coreos.com/v1); when that CRD is not "
-        "installed the MonitoringReady condition says so.",
-    )
-    interval: str = Field(
-        default="30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval."
-    )
-    labels: dict[str, str] | None = Field(
-        default=None,
-        description="Extra labels on the PodMonitor (what a Prometheus' podMonitorSelector matches).",
-    )
-
-
-SpecMethodName = Literal["ngram", "draft_model"]
-DraftModelRef = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
-SpecTokens = Annotated[int, Field(ge=1, le=15)]
-
-
-class NgramSpec(_Base):
-    """The n-gram (prompt lookup) drafter's window."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!has(self.promptLookupMin) || !has(self.promptLookupMax) || "
-                    "self.promptLookupMin <= self.promptLookupMax",
-                    "message": "ngram.promptLookupMin must be at most ngram.promptLookupMax",
-                    "fieldPath": ".promptLookupMin",
-                    "reason": "FieldValueInvalid",
-                }
-            ]
-        }
-    )
-
-    prompt_lookup_min: int = Field(default=1, ge=1, le=64, description="Shortest suffix matched.")
-    prompt_lookup_max: int = Field(
-        default=3, ge=1, le=64, description="Longest suffix tried first."
-    )
-
-
-class SpeculativeSpec(_Base):
-    """Speculative decoding (--speculative-config) of the unified and decode roles (a prefill
-    role never decodes, so it gets none)."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.method != 'draft_model' || has(self.draftModel)",
-                    "message": "speculative.draftModel is required for method draft_model",
-                    "fieldPath": ".draftModel",
-                    "reason": "FieldValueRequired",
-                },
-                {
-                    "rule": "self.method == 'draft_model' || !has(self.draftModel)",
-                    "message": "speculative.draftModel is only allowed with method draft_model",
-                    "fieldPath": ".draftModel",
-                    "reason": "FieldValueForbidden",
-                },
-                {
-                    "rule": "self.method == 'ngram' || !has(self.ngram)",
-                    "message": "speculative.ngram is only allowed with method ngram",
-                    "fieldPath": ".ngram",
-                    "reason": "FieldValueForbidden",
-                },
-            ]
-        }
-    )
-
-    method: SpecMethodName = Field(description="ngram (prompt lookup) or draft_model.")
-    # k + 1 query rows must fit one KV block (16 tokens).
-    num_speculative_tokens: SpecTokens = Field(description="Draft tokens k per request per step.")
-    draft_model: DraftModelRef | None = Field(
-        default=None,
-        description="draft_model: a built-in shape or a model directory in the container with "
-        "the target's vocabulary; the target's own name self-drafts.",
-    )
-    ngram: NgramSpec | None = Field(default=None, description="ngram: the lookup window.")
-
-    def runtime_json(self) -> dict[str, Any]:
-        """The runtime's --speculative-config object (atom.config.SpeculativeConfig)."""
-        out: dict[str, Any] = {
-            "method": self.method,
-            "num_speculative_tokens": self.num_speculative_tokens,
-        }
-        if self.method == "draft_model":
-            out["model"] = self.draft_model
-        else:
-            window = self.ngram or NgramSpec()
-            out["prompt_lookup_min"] = window.prompt_lookup_min
-            out["prompt_lookup_max"] = window.prompt_lookup_max
-        return out
-
-
-class AtomDeploymentSpec(_Base):
-    """Desired state of an ATOM model server."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!(has(self.replicas) && has(self.disaggregation))",
-                    "message": "replicas and disaggregation are mutually exclusive: set "
-                    "disaggregation.prefill.replicas and disaggregation.decode.replicas instead",
-                    "fieldPath": ".replicas",
-                    "reason": "FieldValueForbidden",
-                },
-                *size_rules(),
-                _cpu_graph_rule("compilation"),
-                _cpu_graph_rule("disaggregation.prefill.compilation"),
-                _cpu_graph_rule("disaggregation.decode.compilation"),
-                *tensor_gpu_rules(),
-                kv_transport_rule(),
-            ]
-        }
-    )
-
-    image: str | None = Field(
-        default=None,
-        min_length=1,
-        description="Runtime image (default: the operator's ATOM_OPERATOR_DEFAULT_IMAGE).",
-    )
-    model: ModelSource = Field(description="The model to serve.")
-    device: Device = Field(
-        default="gpu",
-        description="Where the runtime runs: gpu (parallelism.tensor nvidia.com/gpu per pod, "
-        "one by default) or cpu (no GPU requested, --device cpu, graph mode NONE: an unset "
-        "mode, and the decode role's "
-        "FULL_DECODE_ONLY default, resolve to NONE; any other mode set on cpu is refused). "
-        "Part of the compile-cache key.",
-    )
-    engine: EngineSpec = _section(EngineSpec, "Engine limits.")
-    prefix_caching: bool = Field(
-        default=True,
-        description="Automatic prefix caching in every runtime pod: the KV blocks of prompt "
-        "prefixes seen before are reused instead of recomputed (false renders "
-        "--no-enable-prefix-caching). Not in the compile-cache key: it changes no compiled code "
-        "or captured graph, only which blocks the scheduler hands out.",
-    )
-    compilation: Compilation = _section(Compilation, "Compilation level and CUDA graph settings.")
-    compile_cache: CompileCacheSpec = _section(CompileCacheSpec, "Compile-cache volume.")
-    replicas: int | None = Field(
-        default=None,
-        ge=0,
-        description="Pods of the unified role (default 1). Not allowed together with disaggregation.",
-    )
-    disaggregation: Disaggregation | None = Field(
-        default=None,
-        description="Run prefill and decode roles behind a router instead of one unified role.",
-    )
-    resources: dict[str, Any] | None = _resources_field(
-        "Container resources of runtime pods. nvidia.com/gpu unset (in limits and requests): "
-        "the tensor-parallel size (one GPU by default) on device gpu; never requested on cpu."
-    )
-    parallelism: Parallelism = _section(
-        Parallelism,
-        "Parallelism of runtime pods (disaggregation.<role>.parallelism overrides it per role).",
-    )
-    node_selector: dict[str, str] | None = Field(
-        default=None, description="Node selector of runtime pods (and of the router's)."
-    )
-    tolerations: list[dict[str, Any]] | None = Field(
-        default=None,
-        description="Tolerations of runtime pods (and of the router's).",
-        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
-    )
-    affinity: dict[str, Any] | None = _opaque_object(
-        "Affinity of runtime pods (and of the router's)."
-    )
-    env: list[dict[str, Any]] | None = Field(
-        default=None,
-        description="Extra environment variables (EnvVar objects) of runtime pods.",
-        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
-    )
-    restart_id: str | None = Field(
-        default=None,
-        max_length=253,
-        description="Change to roll every pod (a Git-friendly rollout restart).",
-    )
-    shm_size: str = Field(
-        default="2Gi",
-        pattern=QUANTITY,
-        description="Size limit of /dev/shm (a memory-backed emptyDir; it counts against the "
-        "pod's memory).",
-    )
-    priority_class_name: str | None = Field(
-        default=None, min_length=1, max_length=253, description="PriorityClass of every pod."
-    )
-    runtime_class_name: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=253,
-        description="RuntimeClass of runtime pods (for example nvidia).",
-    )
-    topology_spread_constraints: list[dict[str, Any]] | None = Field(
-        default=None,
-        description="Topology spread of runtime and router pods. Unset: a soft spread over "
-        "nodes (kubernetes.io/hostname, ScheduleAnyway) per role; [] for none.",
-        json_schema_extra={"items": {"type": "object", **_OPAQUE}},
-    )
-    api_key_secret_ref: SecretKeyRef | None = Field(
-        default=None,
-        description="Secret key holding the API key: env ATOM_API_KEY of runtime and router "
-        "pods; /v1 endpoints then require Authorization: Bearer <key>.",
-    )
-    network_policy: NetworkPolicySpec = _section(
-        NetworkPolicySpec, "NetworkPolicies of the children."
-    )
-    monitoring: MonitoringSpec = _section(MonitoringSpec, "Prometheus scraping (opt-in).")
-    speculative: SpeculativeSpec | None = Field(
-        default=None,
-        description="Speculative decoding (n-gram or draft model) of the unified and decode roles.",
-    )
-
-    @property
-    def disaggregated(self) -> bool:
-        return self.disaggregation is not None
-
-    def host_volume_types(self) -> list[str]:
-        """Host-reaching volume sources in model.volume (refused unless the operator allows)."""
-        return [t for t in HOST_VOLUME_TYPES if t in (self.model.volume or {})]
-
-
-class Condition(_Base):
-    """A standard condition."""
-
-    type: str = Field(
-        description="Ready, Progressing, Degraded, CompileCacheReady or MonitoringReady."
-    )
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str = Field(default="", description="CamelCase reason.")
-    message: str = Field(default="", description="Human-readable detail.")
-    last_transition_time: str | None = Field(default=None, description="When status last changed.")
-    observed_generation: int | None = Field(
-        default=None, description="Generation this condition describes."
-    )
-
-
-class RoleStatus(_Base):
-    """Observed pods of one role."""
-
-    replicas: int = Field(default=0, description="Desired pods.")
-    ready_replicas: int = Field(default=0, description="Pods ready (passed /health).")
-    tensor_parallel: int | None = Field(
-        default=None, description="Tensor-parallel size of each pod (runtime roles)."
-    )
-    updated_replicas: int = Field(default=0, description="Pods at the current revision.")
-    revision: str | None = Field(default=None, description="Revision these pods serve.")
-
-
-class CompileCacheStatus(_Base):
-    """Where compiled artifacts go."""
-
-    key: str | None = Field(
-        default=None, description="Compile-cache key (role:key pairs when roles differ)."
-    )
-    keys: dict[str, str] | None = Field(default=None, description="Compile-cache key per role.")
-    claim_name: str | None = Field(
-        default=None, description="PersistentVolumeClaim holding the cache."
-    )
-
-
-class AtomDeploymentStatus(_Base):
-    """Observed state, written by the operator through the status subresource only."""
-
-    observed_generation: int | None = Field(default=None, description="Generation last reconciled.")
-    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = Field(
-        default=None, description="Summary: Pending, Progressing, Ready or Degraded."
-    )
-    conditions: list[Condition] | None = Field(
-        default=None,
-        description="Ready, Progressing, Degraded, CompileCacheReady.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-    roles: dict[str, RoleStatus] | None = Field(
-        default=None, description="Per role: unified, prefill, decode, router."
-    )
-    compile_cache: CompileCacheStatus | None = Field(
-        default=None, description="Compile cache in use."
-    )
-    revision: str | None = Field(default=None, description="Revision of the current spec.")
-    serving_revision: str | None = Field(
-        default=None, description="Revision the endpoint routes to."
-    )
-    endpoint: str | None = Field(
-        default=None, description="In-cluster URL of the OpenAI-compatible API."
-    )
-    graph_mode: str | None = Field(default=None, description="Effective graph mode per role.")
-    tensor_parallel: str | None = Field(
-        default=None,
-        description="Tensor-parallel size per pod (role=size pairs when roles differ); printer "
-        "column TP.",
-    )
-    kv_transport: str | None = Field(
-        default=None, description="KV transport asked of prefill/decode pairs (disaggregated)."
-    )
-    ready: str | None = Field(default=None, description="Ready roles / roles.")
-    replicas: int | None = Field(default=None, description="Unified pods (scale subresource).")
-    selector: str | None = Field(
-        default=None, description="Label selector of unified pods (scale subresource)."
-    )
-    kopf: dict[str, Any] | None = _opaque_object("Operator framework bookkeeping.")
-
-
-class AtomDeployment(_Base):
-    """An ATOM model server: runtime pods compiled and captured as specified."""
-
-    api_version: str = Field(default=f"{GROUP}/{VERSION}", description="atom.dev/v1alpha1")
-    kind: str = Field(default=KIND, description="AtomDeployment")
-    spec: AtomDeploymentSpec
-    status: AtomDeploymentStatus | None = None
+__all__ = [
+    "CO_LOCATED_TRANSPORTS",
+    "COMPILATION_PATHS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "GPU_RESOURCE",
+    "GRAPH_MODES",
+    "GROUP",
+    "HOST_VOLUME_TYPES",
+    "KIND",
+    "KV_TRANSPORTS",
+    "MAX_CAPTURE_SIZES",
+    "MAX_NAME_LENGTH",
+    "NAME_PATTERN",
+    "PLURAL",
+    "QUANTITY",
+    "SHORT_NAMES",
+    "SINGULAR",
+    "TENSOR_SIZES",
+    "VERSION",
+    "AccessMode",
+    "AtomDeployment",
+    "AtomDeploymentSpec",
+    "AtomDeploymentStatus",
+    "CamelModel",
+    "Compilation",
+    "CompilationOverride",
+    "CompileCacheSpec",
+    "CompileCacheStatus",
+    "Condition",
+    "Device",
+    "Disaggregation",
+    "DraftModelRef",
+    "Dtype",
+    "EngineSpec",
+    "GraphMode",
+    "KVTransport",
+    "Level",
+    "LoadFormat",
+    "ModelSource",
+    "MonitoringSpec",
+    "NetworkPolicySpec",
+    "NgramSpec",
+    "Parallelism",
+    "Phase",
+    "RoleSpec",
+    "RoleStatus",
+    "RouterSpec",
+    "RoutingPolicy",
+    "SecretKeyRef",
+    "SpecMethodName",
+    "SpecTokens",
+    "SpeculativeSpec",
+    "cpu_graph_rules",
+    "kv_transport_rule",
+    "root_rules",
+    "size_rules",
+    "spec_rules",
+    "tensor_gpu_rules",
+]

@@ -11,7 +11,7 @@ import shlex
 from typing import Any
 
 from atom_operator import naming
-from atom_operator.models import AtomDeploymentSpec, Compilation, CompilationOverride
+from atom_operator.spec import AtomDeploymentSpec, Compilation, CompilationOverride
 
 DEFAULT_CUDA_GRAPH_SIZES = [512]
 

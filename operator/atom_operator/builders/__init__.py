@@ -25,8 +25,8 @@ from atom_operator.builders.runtime import (
     pod_template,
 )
 from atom_operator.builders.secret import token_secret_name
-from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot, deployment_complete, job_state, router_revision
+from atom_operator.spec import AtomDeploymentSpec
 
 __all__ = ["Owner", "Plan", "plan", "revision_of", "cache_keys"]
 

@@ -7,7 +7,7 @@ from typing import Any
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
 from atom_operator.builders.runtime import pod_spec
-from atom_operator.models import AtomDeploymentSpec
+from atom_operator.spec import AtomDeploymentSpec
 
 
 def build_pvc(owner: Owner, spec: AtomDeploymentSpec) -> dict[str, Any] | None:

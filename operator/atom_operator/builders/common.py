@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from atom_operator import models
+from atom_operator.spec import GROUP, KIND, VERSION
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,8 @@ class Owner:
     def reference(self) -> dict[str, Any]:
         # blockOwnerDeletion is left unset: it would need RBAC on atomdeployments/finalizers.
         return {
-            "apiVersion": f"{models.GROUP}/{models.VERSION}",
-            "kind": models.KIND,
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
             "name": self.name,
             "uid": self.uid,
             "controller": True,

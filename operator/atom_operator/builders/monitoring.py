@@ -6,7 +6,7 @@ from typing import Any
 
 from atom_operator import naming
 from atom_operator.builders.common import Owner, metadata
-from atom_operator.models import AtomDeploymentSpec
+from atom_operator.spec import AtomDeploymentSpec
 
 POD_MONITOR_API = "monitoring.coreos.com/v1"
 # Pod labels copied onto every series, so the dashboard can split by deployment, role, revision.

@@ -21,7 +21,7 @@ from typing import Any
 
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
-from atom_operator.models import AtomDeploymentSpec
+from atom_operator.spec import AtomDeploymentSpec
 
 ALL_NAMESPACES: list[dict[str, Any]] = [{"namespaceSelector": {}}]
 ANY_TCP: dict[str, Any] = {"protocol": "TCP"}  # no port: every TCP port

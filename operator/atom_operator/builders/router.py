@@ -14,7 +14,7 @@ from atom_operator.builders.runtime import (
     with_default_requests,
 )
 from atom_operator.builders.secret import token_env
-from atom_operator.models import AtomDeploymentSpec
+from atom_operator.spec import AtomDeploymentSpec
 
 # An asyncio proxy: one core and a little memory carry thousands of streams.
 ROUTER_CPU = "500m"

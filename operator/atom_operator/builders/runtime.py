@@ -9,7 +9,8 @@ from typing import Any
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
 from atom_operator.builders.secret import token_env
-from atom_operator.models import CO_LOCATED_TRANSPORTS, GPU_RESOURCE, AtomDeploymentSpec
+from atom_operator.crd_rules import CO_LOCATED_TRANSPORTS, GPU_RESOURCE
+from atom_operator.spec import AtomDeploymentSpec
 
 # Filled in where the spec leaves them out, so runtime pods are never BestEffort (first to be
 # evicted, each restart repaying compile and capture). Memory request = limit: the kubelet
