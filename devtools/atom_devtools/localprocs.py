@@ -5,6 +5,7 @@ own session, stopped with the demo; a free port; the check that nothing is left 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -76,12 +77,13 @@ class LocalOperator(Child):
         namespaces: Sequence[str] = (),
         reconcile_interval: float = 2.0,
     ) -> None:
-        self.health_port = free_port()
+        self.health_port, self.metrics_port = free_port(), free_port()
         full_env = dict(os.environ, **env)
         full_env.update(
             ATOM_OPERATOR_NAMESPACES=",".join(namespaces),
             ATOM_OPERATOR_RECONCILE_INTERVAL=str(reconcile_interval),
             ATOM_OPERATOR_HEALTH_PORT=str(self.health_port),
+            ATOM_OPERATOR_METRICS_PORT=str(self.metrics_port),
             PYTHONUNBUFFERED="1",
         )
         super().__init__([sys.executable, "-m", "atom_operator.main"], log_path, full_env)
@@ -97,6 +99,14 @@ class LocalOperator(Child):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def reconciles(self) -> int:
+        """Reconciles done since it started (its /metrics): how a test knows a pass happened."""
+        code, text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        found = re.search(r"^atom_operator_reconciles_total (\S+)$", text, re.M)
+        if code != 200 or found is None:
+            raise RuntimeError(f"no reconcile count on :{self.metrics_port}: {code} {text[:200]}")
+        return int(float(found[1]))
 
     def wait_healthy(self, timeout: float = 60) -> None:
         url = f"http://127.0.0.1:{self.health_port}/healthz"

@@ -8,13 +8,14 @@ pulling it, which is what `helm install --wait` and the Deployment status observ
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from chartutil import CHART, ROOT, Runner
+
+from testutil import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -32,15 +33,6 @@ def kubectl_json(run: Runner, *args: str) -> dict[str, Any]:
 
 def exists(run: Runner, *args: str) -> bool:
     return run(["kubectl", "get", *args, "--ignore-not-found", "-o", "name"]).stdout.strip() != ""
-
-
-def wait_for(predicate, timeout: float = 120, what: str = "condition") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def replica_sets(run: Runner) -> dict[str, dict[str, Any]]:
@@ -191,7 +183,7 @@ def test_host_volumes_refused_at_the_api_server(run_cluster: Runner) -> None:
         last = proc.stderr
         return proc.returncode != 0
 
-    wait_for(refused, timeout=60, what="the host-volume policy to refuse")
+    wait_for("the host-volume policy to refuse", refused, timeout=60)
     assert "spec.model.volume.hostPath" in last, last
     manifest["spec"]["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "weights"}}
     ok = run_cluster(
@@ -212,7 +204,11 @@ def test_upgrade_with_changed_values_rolls_the_operator(run_cluster: Runner) -> 
         ],
         timeout=240,
     )  # fmt: skip
-    wait_for(lambda: deployment_ready(run_cluster), what="the upgraded operator to be ready")
+    wait_for(
+        "the upgraded operator to be ready",
+        lambda: deployment_ready(run_cluster),
+        timeout=120,
+    )
     after = replica_sets(run_cluster)
     new_hashes = set(after) - set(before)
     assert len(new_hashes) == 1, f"no new ReplicaSet: {sorted(after)}"

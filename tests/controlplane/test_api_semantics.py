@@ -6,8 +6,9 @@ from __future__ import annotations
 import uuid
 
 from atom_devtools.devcluster.crds import wait_crd_established
+from testutil import wait_for
 
-from .kube import apply, get_json, wait_for
+from .kube import apply, get_json
 
 RULE_MESSAGE = "replicas must not exceed maxReplicas"
 
@@ -51,8 +52,11 @@ def test_cel_rule_refuses_invalid_object_with_its_message(cluster, namespace):
                 "spec": {"replicas": replicas, "maxReplicas": 4}}
 
     # Discovery of a brand-new group can lag behind Established: retry the valid apply.
-    wait_for("the valid Widget to be accepted",
-             lambda: apply(cluster, widget("ok", 4), check=False).returncode == 0, timeout=30)
+    wait_for(
+        "the valid Widget to be accepted",
+        lambda: apply(cluster, widget("ok", 4), check=False).returncode == 0,
+        timeout=30,
+    )
     refused = apply(cluster, widget("bad", 5), check=False)
     assert refused.returncode != 0
     assert RULE_MESSAGE in refused.stderr
@@ -95,8 +99,14 @@ def test_deleting_deployment_removes_its_pods(cluster, namespace):
             "metadata": {"labels": labels},
             "spec": {"containers": [{"name": "main", "image": "registry.invalid/x:1"}]}}},
     })
-    wait_for("2 pods", lambda: len(get_json(cluster, "pods", "-n", namespace, "-l",
-                                             "app=gone")["items"]) == 2)
+    wait_for(
+        "2 pods",
+        lambda: len(get_json(cluster, "pods", "-n", namespace, "-l", "app=gone")["items"]) == 2,
+    )
     cluster.kubectl("delete", "deployment", "gone", "-n", namespace)
-    wait_for("the ReplicaSet and pods to be collected", lambda: not get_json(
-        cluster, "pods,replicasets", "-n", namespace, "-l", "app=gone")["items"])
+    wait_for(
+        "the ReplicaSet and pods to be collected",
+        lambda: not get_json(
+            cluster, "pods,replicasets", "-n", namespace, "-l", "app=gone"
+        )["items"],
+    )

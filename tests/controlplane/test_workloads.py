@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 
-from .kube import apply, get_json, wait_for
+from testutil import wait_for
+
+from .kube import apply, get_json
 
 
 def _deployment(name: str, namespace: str, replicas: int, gpus: int) -> dict:
@@ -45,8 +47,12 @@ def test_deployment_pods_are_scheduled_on_kwok_nodes_and_become_ready(cluster, n
         assert pod["spec"]["nodeName"] in cluster.node_names
         assert pod["status"]["phase"] == "Running"
         assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network("10.244.0.0/16")
-    wait_for("the Deployment to report 3 ready replicas", lambda: get_json(
-        cluster, "deployment", "web", "-n", namespace)["status"].get("readyReplicas") == 3)
+    wait_for(
+        "the Deployment to report 3 ready replicas",
+        lambda: get_json(cluster, "deployment", "web", "-n", namespace)["status"].get(
+            "readyReplicas"
+        ) == 3,
+    )
 
 
 def test_scheduler_counts_gpus(cluster, namespace):
@@ -70,8 +76,12 @@ def test_claim_without_class_is_bound_and_mountable(cluster, namespace):
         "metadata": {"name": "cache", "namespace": namespace},
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
     })
-    pvc = wait_for("the claim to be Bound", lambda: (lambda c: c if c["status"].get(
-        "phase") == "Bound" else None)(get_json(cluster, "pvc", "cache", "-n", namespace)))
+    pvc = wait_for(
+        "the claim to be Bound",
+        lambda: (lambda c: c if c["status"].get("phase") == "Bound" else None)(
+            get_json(cluster, "pvc", "cache", "-n", namespace)
+        ),
+    )
     assert pvc["spec"]["storageClassName"] == "kwok-volume"  # the default class was applied
     apply(cluster, {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "user", "namespace": namespace},
@@ -81,8 +91,10 @@ def test_claim_without_class_is_bound_and_mountable(cluster, namespace):
             "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "cache"}}],
         },
     })
-    wait_for("the pod using the claim to be Ready",
-             lambda: _ready(get_json(cluster, "pod", "user", "-n", namespace)))
+    wait_for(
+        "the pod using the claim to be Ready",
+        lambda: _ready(get_json(cluster, "pod", "user", "-n", namespace)),
+    )
 
 
 def test_job_pods_complete(cluster, namespace):
@@ -94,5 +106,9 @@ def test_job_pods_complete(cluster, namespace):
             "containers": [{"name": "main", "image": "registry.invalid/x:1"}],
         }}},
     })
-    wait_for("the Job to succeed", lambda: get_json(
-        cluster, "job", "warmup", "-n", namespace)["status"].get("succeeded") == 1)
+    wait_for(
+        "the Job to succeed",
+        lambda: get_json(cluster, "job", "warmup", "-n", namespace)["status"].get(
+            "succeeded"
+        ) == 1,
+    )

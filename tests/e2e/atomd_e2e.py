@@ -8,9 +8,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,24 +19,9 @@ from atom_devtools.kubectl import Kubectl as DemoKubectl
 from atom_devtools.kubectl import install_crd
 from atom_devtools.localprocs import free_port
 from atom_operator.kube import Kube
+from testutil import wait_for
 
 T = TypeVar("T")
-
-
-def wait_for(fn: Callable[[], T], *, timeout: float, what: str, interval: float = 0.25) -> T:
-    """Poll until fn() is truthy; fail with `what` and the last value at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except Exception as exc:  # transient API errors while things start
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 class Kubectl(DemoKubectl):
@@ -87,9 +71,7 @@ class OperatorProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        wait_for(
-            self.healthy, timeout=60, what=f"operator /healthz on :{self.port}\n{self.log_tail()}"
-        )
+        wait_for(f"operator /healthz on :{self.port}\n{self.log_tail()}", self.healthy, timeout=60)
 
     def healthy(self) -> bool:
         assert self.proc is not None

@@ -8,7 +8,6 @@ operator everything it uses. kwok marks the runtime pods Ready; no image runs.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import yaml
 
 from atom_devtools.kubectl import Kubectl, install_crd, is_ready, wait_ready
 from atom_devtools.localprocs import LocalOperator
+from testutil import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -192,17 +192,26 @@ def _snapshot(kubectl: Kubectl, name: str) -> dict[str, Any]:
     }
 
 
+def _periodic_pass(operator: LocalOperator, kubectl: Kubectl) -> None:
+    """Until the operator has reconciled as often as there are AtomDeployments here: with no
+    change to react to, that is a periodic pass (every 2 s) over each of them."""
+    start = operator.reconciles()
+    count = len(kubectl.json("atomd", "-n", NAMESPACE)["items"])
+    wait_for("a periodic reconcile pass", lambda: operator.reconciles() >= start + count,
+             timeout=30)
+
+
 def test_server_side_apply_twice_is_a_no_op(operator: LocalOperator, kubectl: Kubectl) -> None:
     example = ROOT / "examples" / "atomdeployment.yaml"
     (manifest,) = atomdeployments(example)
     name = manifest["metadata"]["name"]
     kubectl(*GITOPS_APPLY, "-f", str(example))
     wait_ready(kubectl, name, NAMESPACE, timeout=READY_TIMEOUT)
-    time.sleep(3)  # let a periodic reconcile pass: it must not change anything either
+    _periodic_pass(operator, kubectl)  # it must not change anything either
     before = _snapshot(kubectl, name)
     out = kubectl(*GITOPS_APPLY, "-f", str(example), "-o", "yaml").stdout
     assert yaml.safe_load(out)["metadata"]["resourceVersion"] == before["resourceVersion"]
-    time.sleep(3)
+    _periodic_pass(operator, kubectl)
     after = _snapshot(kubectl, name)
     assert after == before
 

@@ -23,11 +23,11 @@ from atomd_e2e import (
     is_ready,
     pre_bound_pv,
     running_operator,
-    wait_for,
 )
 
 from atom_operator import naming
 from atom_operator.kube import Kube
+from testutil import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -71,9 +71,9 @@ def _children(kube: Kube, name: str, kind: str) -> list[dict[str, Any]]:
 
 def _wait_ready(kube: Kube, name: str, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
     return wait_for(
+        f"{name} Ready",
         lambda: (lambda o: o if is_ready(o) else None)(get(kube, NS, name)),
         timeout=timeout,
-        what=f"{name} Ready",
     )
 
 
@@ -160,7 +160,7 @@ def test_deleted_or_edited_children_are_restored(operator, kubectl, kube) -> Non
             and dep["spec"]["template"]["spec"]["containers"][0]["image"] == "atom-runtime:e2e"
         )
 
-    wait_for(restored, timeout=30, what="children restored")
+    wait_for("children restored", restored, timeout=30)
     _wait_ready(kube, "uni")
 
 
@@ -180,6 +180,7 @@ def test_graph_mode_patch_rolls_a_new_revision(operator, kubectl, kube) -> None:
     )
 
     seen_progressing = wait_for(
+        "Progressing at the new revision",
         lambda: (
             lambda o: (
                 o
@@ -189,7 +190,6 @@ def test_graph_mode_patch_rolls_a_new_revision(operator, kubectl, kube) -> None:
             )
         )(get(kube, NS, "uni")),
         timeout=30,
-        what="Progressing at the new revision",
         interval=0.1,
     )
     new_rev = seen_progressing["status"]["revision"]
@@ -206,7 +206,7 @@ def test_graph_mode_patch_rolls_a_new_revision(operator, kubectl, kube) -> None:
             p["metadata"]["labels"][naming.LABEL_REVISION] == new_rev for p in pods
         )
 
-    wait_for(old_pods_gone, timeout=30, what="old-revision pods gone")
+    wait_for("old-revision pods gone", old_pods_gone, timeout=30)
     assert kube.get("PersistentVolumeClaim", NS, "uni-compile-cache")["metadata"]["uid"] == pvc_uid
     dep = kube.get("Deployment", NS, "uni-unified")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -220,13 +220,13 @@ def test_replicas_only_change_rolls_nothing(operator, kubectl, kube) -> None:
     before = _wait_ready(kube, "uni")
     kubectl("scale", "atomd", "uni", "-n", NS, "--replicas=3")  # the scale subresource
     after = wait_for(
+        "3 ready replicas",
         lambda: (
             lambda o: (
                 o if is_ready(o) and o["status"]["roles"]["unified"]["readyReplicas"] == 3 else None
             )
         )(get(kube, NS, "uni")),
         timeout=READY_TIMEOUT,
-        what="3 ready replicas",
     )
     assert after["status"]["revision"] == before["status"]["revision"]
     pods = kube.list("Pod", NS, naming.selector_string(naming.selector_labels("uni", "unified")))
@@ -338,11 +338,11 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     )
     _create(kubectl, "pd", spec, tmp_path)
     wait_for(
+        "first children of pd",
         lambda: (
             _children(kube, "pd", "Deployment") or _children(kube, "pd", "PersistentVolumeClaim")
         ),
         timeout=30,
-        what="first children of pd",
         interval=0.05,
     )
     operator.kill()
@@ -394,9 +394,9 @@ def test_disaggregated_roll_moves_router_once_both_roles_are_ready(operator, kub
         return o if is_ready(o) and o["status"]["revision"] != old else None
 
     after = wait_for(
+        "pd Ready at a new revision",
         ready_at_new_revision_checking_router,
         timeout=READY_TIMEOUT,
-        what="pd Ready at a new revision",
         interval=0.1,
     )
     new = after["status"]["revision"]
@@ -408,11 +408,11 @@ def test_disaggregated_roll_moves_router_once_both_roles_are_ready(operator, kub
         and f"pd-decode-{new}" in args[args.index("--decode") + 1]
     )
     wait_for(
+        "old-revision role Deployments pruned",
         lambda: (
             not [d for d in _children(kube, "pd", "Deployment") if old in d["metadata"]["name"]]
         ),
         timeout=30,
-        what="old-revision role Deployments pruned",
     )
 
 
@@ -452,13 +452,13 @@ def test_delete_collects_children_and_keeps_the_cache(operator, kubectl, kube, t
     _wait_ready(kube, "pd")
     kubectl("delete", "atomd", "pd", "-n", NS, "--wait=true", "--timeout=30s")
     wait_for(
+        "children garbage-collected",
         lambda: (
             not _children(kube, "pd", "Deployment")
             and not _children(kube, "pd", "Service")
             and not _children(kube, "pd", "ConfigMap")
         ),
         timeout=60,
-        what="children garbage-collected",
     )
     pvc = kube.get("PersistentVolumeClaim", NS, "pd-compile-cache")
     assert pvc is not None and not pvc["metadata"].get("deletionTimestamp")
@@ -473,7 +473,7 @@ def test_delete_collects_children_and_keeps_the_cache(operator, kubectl, kube, t
     _wait_ready(kube, "gone")
     kubectl("delete", "atomd", "gone", "-n", NS, "--wait=true", "--timeout=30s")
     wait_for(
+        "the non-retained claim collected",
         lambda: kube.get("PersistentVolumeClaim", NS, "gone-compile-cache") is None,
         timeout=60,
-        what="the non-retained claim collected",
     )

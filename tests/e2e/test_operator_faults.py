@@ -26,11 +26,11 @@ from atomd_e2e import (
     is_ready,
     pre_bound_pv,
     running_operator,
-    wait_for,
 )
 
 from atom_operator import naming
 from atom_operator.kube import Kube
+from testutil import wait_for
 
 NS, SC, TIMEOUT = "atomd-faults", "atomd-faults-manual", 90
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -60,9 +60,9 @@ def _obj(kube: Kube, name: str) -> dict[str, Any]:
 
 def _wait_ready(kube: Kube, name: str) -> dict[str, Any]:
     return wait_for(
+        f"{name} Ready",
         lambda: (lambda o: o if is_ready(o) else None)(_obj(kube, name)),
         timeout=TIMEOUT,
-        what=f"{name} Ready",
     )
 
 
@@ -72,7 +72,7 @@ def _wait_degraded(kube: Kube, name: str, reason: str, timeout: float = TIMEOUT)
         d = condition(o, "Degraded")
         return o if d.get("status") == "True" and d.get("reason") == reason else None
 
-    return wait_for(degraded, timeout=timeout, what=f"{name} Degraded {reason}")
+    return wait_for(f"{name} Degraded {reason}", degraded, timeout=timeout)
 
 
 def _delete(kubectl: Kubectl, name: str) -> None:
@@ -186,13 +186,13 @@ def _quota(kubectl: Kubectl, kube: Kube, name: str, hard: dict[str, str]) -> Non
     )
     # Admission enforces a quota only once the controller has computed its usage.
     wait_for(
+        f"quota {name} computed",
         lambda: (
             kube.request("GET", f"/api/v1/namespaces/{NS}/resourcequotas/{name}")
             .get("status", {})
             .get("hard")
         ),
         timeout=30,
-        what=f"quota {name} computed",
     )
 
 
@@ -210,7 +210,7 @@ def _degraded_under_quota(
     try:
         kubectl.apply(atomd(name, NS, _spec()))
         msg = condition(_wait_degraded(kube, name, reason), "Degraded")["message"]
-        wait_for(lambda: settled(_obj(kube, name)), timeout=TIMEOUT, what=f"{name} settled")
+        wait_for(f"{name} settled", lambda: settled(_obj(kube, name)), timeout=TIMEOUT)
         return msg
     finally:
         kubectl("delete", "resourcequota", f"{name}-quota", "-n", NS)
@@ -266,15 +266,16 @@ def test_cache_claim_deleted_in_use_rolls_without_it_and_comes_back(
     # no deadlock: pods roll without the cache, the old pods go, the claim goes with them,
     # and the operator creates it again
     wait_for(
+        "the claim recreated",
         lambda: (
             (kube.get("PersistentVolumeClaim", NS, claim) or {}).get("metadata", {}).get("uid")
             not in (None, old_uid)
         ),
         timeout=TIMEOUT,
-        what="the claim recreated",
     )
     kubectl.apply(pre_bound_pv(f"{NS}-cached-2", NS, claim, SC, tmp_path))
     after = wait_for(
+        "cached Ready with its cache again",
         lambda: (
             lambda o: (
                 o
@@ -283,7 +284,6 @@ def test_cache_claim_deleted_in_use_rolls_without_it_and_comes_back(
             )
         )(_obj(kube, "cached")),
         timeout=TIMEOUT,
-        what="cached Ready with its cache again",
     )
     assert after["status"]["revision"] == before["status"]["revision"]
     _delete(kubectl, "cached")
@@ -297,10 +297,9 @@ def test_failed_apply_is_retried_with_backoff_not_at_the_resync(operator, kubect
         kubectl, kube, "retry", {"services": "0"}, "ApplyFailed", settled=pods_ready
     )
     assert "Service retry" in msg
-    time.sleep(2)
-    lifted = time.monotonic()
+    lifted = time.monotonic()  # the quota went as _degraded_under_quota returned
     # nothing else happens to this object: only the operator's own retry can create the Service
-    wait_for(lambda: kube.get("Service", NS, "retry"), timeout=40, what="Service created")
+    wait_for("Service created", lambda: kube.get("Service", NS, "retry"), timeout=40)
     assert time.monotonic() - lifted < 40  # the resync is 600 s away
     _wait_ready(kube, "retry")
     _delete(kubectl, "retry")
@@ -353,7 +352,7 @@ def test_hpa_on_a_child_is_reported_and_foreign_fields_are_kept(operator, kubect
             and {"name": "SIDECAR_HINT", "value": "1"} in env
         )
 
-    wait_for(settled, timeout=30, what="label restored, foreign env var kept")
+    wait_for("label restored, foreign env var kept", settled, timeout=30)
     _delete(kubectl, "scaled")
 
 
@@ -375,6 +374,7 @@ def test_pdb_spread_and_network_policies_on_the_api_server(operator, kubectl, ku
     assert set(pdbs) == {"iso-decode", "iso-router"}  # prefill has one pod: no budget
     # the decode budget counts the decode pods of every revision
     wait_for(
+        "the decode PDB sees both decode pods",
         lambda: (
             kube.request("GET", f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/iso-decode")
             .get("status", {})
@@ -382,7 +382,6 @@ def test_pdb_spread_and_network_policies_on_the_api_server(operator, kubectl, ku
             == 2
         ),
         timeout=30,
-        what="the decode PDB sees both decode pods",
     )
     pols = {p["metadata"]["name"]: p for p in kube.list("NetworkPolicy", NS, selector)}
     assert set(pols) == {"iso-endpoint", "iso-prefill", "iso-decode"}
@@ -401,8 +400,9 @@ def test_pdb_spread_and_network_policies_on_the_api_server(operator, kubectl, ku
     # the internal token exists once and is not rewritten by later reconciles
     secret = kube.get("Secret", NS, "iso-internal-token")
     assert secret is not None and len(secret["data"]["token"]) > 40
+    done = _reconciles(operator)
     kubectl("annotate", "atomd", "iso", "-n", NS, "poke=1", "--overwrite")
-    time.sleep(2)
+    wait_for("the reconcile of the poke", lambda: _reconciles(operator) > done, timeout=30)
     assert kube.get("Secret", NS, "iso-internal-token")["data"] == secret["data"]
     assert obj["status"]["roles"]["router"]["replicas"] == 2
     _delete(kubectl, "iso")
@@ -412,7 +412,10 @@ def test_phase_events_are_posted_once(operator, kubectl, kube) -> None:
     """Phase changes are posted as Events exactly once each."""
     kubectl.apply(atomd("evt", NS, _spec()))
     _wait_ready(kube, "evt")
-    time.sleep(2)
+    # one more reconcile after Ready, which must not post PhaseReady again
+    done = _reconciles(operator)
+    kubectl("annotate", "atomd", "evt", "-n", NS, "poke=1", "--overwrite")
+    wait_for("the reconcile of the poke", lambda: _reconciles(operator) > done, timeout=30)
     reasons = [e["reason"] for e in _events(kubectl, "evt")]
     assert reasons.count("PhaseReady") == 1, reasons
     _delete(kubectl, "evt")
@@ -493,19 +496,20 @@ def test_two_replicas_one_leads_and_the_other_takes_over(kubectl, kube, env, tmp
         ops.append(op)
     try:
         lease = wait_for(
+            "a leader",
             lambda: (kube.get("Lease", ns, "ha") or {}).get("spec", {}).get("holderIdentity"),
             timeout=30,
-            what="a leader",
         )
         leader, follower = (ops[0], ops[1]) if lease == "op-a" else (ops[1], ops[0])
         doc = atomd("ha", ns, _spec())
         kubectl.apply(doc)
-        wait_for(lambda: is_ready(get(kube, ns, "ha")), timeout=TIMEOUT, what="ha Ready")
+        wait_for("ha Ready", lambda: is_ready(get(kube, ns, "ha")), timeout=TIMEOUT)
         assert _reconciles(leader) > 0 and _reconciles(follower) == 0
         leader.kill()
         killed = time.monotonic()
         kubectl("patch", "atomd", "ha", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":2}}')
         wait_for(
+            "the follower took over and scaled",
             lambda: (
                 lambda o: (
                     o
@@ -514,7 +518,6 @@ def test_two_replicas_one_leads_and_the_other_takes_over(kubectl, kube, env, tmp
                 )
             )(get(kube, ns, "ha")),
             timeout=60,
-            what="the follower took over and scaled",
         )
         assert time.monotonic() - killed < 6 + 2 + 30  # lease, one renew period, the roll
         assert (
@@ -563,15 +566,15 @@ def test_monitoring_without_the_crd_is_a_condition_then_a_pod_monitor(
     kubectl.apply(POD_MONITOR_CRD)
     try:
         wait_for(
+            "PodMonitor served",
             lambda: kubectl("get", "podmonitors", "-n", NS, check=False).returncode == 0,
             timeout=30,
-            what="PodMonitor served",
         )
         kubectl("annotate", "atomd", "mon", "-n", NS, "poke=1", "--overwrite")
         wait_for(
+            "MonitoringReady",
             lambda: condition(_obj(kube, "mon"), "MonitoringReady").get("status") == "True",
             timeout=30,
-            what="MonitoringReady",
         )
         out = kubectl("get", "podmonitors", "mon-metrics", "-n", NS, "-o", "json").stdout
         assert json.loads(out)["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"

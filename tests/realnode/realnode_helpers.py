@@ -4,10 +4,8 @@ AtomDeployments and runtime pods of a namespace."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +16,6 @@ from atom_devtools.kubectl import Kubectl
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "realnode"
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "atomdeployment-cpu.yaml").read_text())
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 300, every: float = 1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
 
 
 def http_json(url: str, timeout: float = 5) -> tuple[int, Any]:

@@ -7,11 +7,11 @@ import subprocess
 from typing import Any
 
 import pytest
-from realnode_helpers import wait_for
 
 from atom_devtools.demo_real import RELEASE
 from atom_devtools.devcluster.realnode import NODE_NAME, TAINT_KEY
 from atom_devtools.kubectl import Kubectl
+from testutil import wait_for
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 
@@ -56,9 +56,12 @@ def test_pods_reach_the_api_server_and_cluster_dns(
     }  # fmt: skip
     kubectl("apply", "-f", "-", input=json.dumps(pod))
     try:
-        phase = wait_for("the pod to finish", lambda: kubectl.json("pod", "reach")["status"].get(
-            "phase") in ("Succeeded", "Failed") and kubectl.json("pod", "reach")["status"]["phase"],
-            timeout=120)  # fmt: skip
+        phase = wait_for(
+            "the pod to finish",
+            lambda: kubectl.json("pod", "reach")["status"].get("phase") in ("Succeeded", "Failed")
+            and kubectl.json("pod", "reach")["status"]["phase"],
+            timeout=120,
+        )  # fmt: skip
         logs = kubectl("logs", "reach").stdout
         assert phase == "Succeeded", logs
         answer = json.loads(logs.strip().splitlines()[-1])

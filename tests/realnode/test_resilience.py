@@ -18,6 +18,7 @@ import realnode_helpers as rn
 
 from atom_devtools.devcluster.realnode import NODE_NAME
 from atom_devtools.kubectl import Kubectl, is_ready
+from testutil import wait_for
 
 pytestmark = [pytest.mark.realnode, pytest.mark.slow]
 
@@ -55,7 +56,11 @@ def test_a_hung_engine_loop_is_restarted_by_the_liveness_probe(
 ) -> None:
     rn.apply(kubectl, eager(HANG, 1))
     try:
-        pod = rn.wait_for("the pod to be Ready", lambda: ready_pods(kubectl, HANG, 1), 300)[0]
+        pod = wait_for(
+            "the pod to be Ready",
+            lambda: ready_pods(kubectl, HANG, 1),
+            timeout=300,
+        )[0]
         probe = pod["spec"]["containers"][0]["livenessProbe"]
         assert probe["httpGet"]["path"] == "/livez", probe  # what the operator renders
         url = f"http://{pod['status']['podIP']}:8000"
@@ -75,7 +80,7 @@ def test_a_hung_engine_loop_is_restarted_by_the_liveness_probe(
             code, body = rn.http_json(f"{url}/livez")
             return body if code == 503 else None
 
-        body = rn.wait_for("/livez to fail", livez_failed, 150, every=2)
+        body = wait_for("/livez to fail", livez_failed, timeout=150, interval=2)
         livez_failed_s = time.monotonic() - stopped
         assert "hung" in body["reason"], body
         assert livez_failed_s > 50, f"/livez failed {livez_failed_s:.0f}s after the stop"
@@ -86,11 +91,14 @@ def test_a_hung_engine_loop_is_restarted_by_the_liveness_probe(
 
         # three failed probes 10 s apart, then the kubelet stops the container (preStop, the
         # runtime kills its stopped core after 10 s) and starts it again
-        again = rn.wait_for("the container to restart", restarted, 240, every=2)
+        again = wait_for("the container to restart", restarted, timeout=240, interval=2)
         restarted_s = time.monotonic() - stopped
         assert again["metadata"]["uid"] == pod["metadata"]["uid"]  # the same pod, not a new one
-        again = rn.wait_for("the pod to be Ready again", lambda: next(
-            (p for p in rn.runtime_pods(kubectl, HANG) if rn.pod_ready(p)), None), 300)  # fmt: skip
+        again = wait_for(
+            "the pod to be Ready again",
+            lambda: next((p for p in rn.runtime_pods(kubectl, HANG) if rn.pod_ready(p)), None),
+            timeout=300,
+        )  # fmt: skip
         ready_s = time.monotonic() - stopped
         assert rn.http_json(f"{url}/livez")[0] == 200
         status = rn.status_of(again)
@@ -123,10 +131,13 @@ def test_a_node_drain_stops_at_the_disruption_budget(
 ) -> None:
     rn.apply(kubectl, eager(PDB, 2))
     try:
-        pods = rn.wait_for("two Ready pods", lambda: ready_pods(kubectl, PDB, 2), 300)
+        pods = wait_for("two Ready pods", lambda: ready_pods(kubectl, PDB, 2), timeout=300)
         assert {p["spec"]["nodeName"] for p in pods} == {NODE_NAME}
-        rn.wait_for("the budget to allow one disruption",
-                    lambda: disruptions_allowed(kubectl) == 1, 60)  # fmt: skip
+        wait_for(
+            "the budget to allow one disruption",
+            lambda: disruptions_allowed(kubectl) == 1,
+            timeout=60,
+        )  # fmt: skip
         start = time.monotonic()
         try:
             drain = kubectl("drain", NODE_NAME, f"--pod-selector=app.kubernetes.io/instance={PDB}",
@@ -156,9 +167,13 @@ def test_a_node_drain_stops_at_the_disruption_budget(
         finally:
             kubectl("uncordon", NODE_NAME)
         # uncordoned: the replacement schedules, and the budget allows one disruption again
-        rn.wait_for("two Ready pods again", lambda: ready_pods(kubectl, PDB, 2), 300)
-        rn.wait_for("the budget to recover", lambda: disruptions_allowed(kubectl) == 1, 60)
-        rn.wait_for("the AtomDeployment Ready", lambda: is_ready(rn.atomd(kubectl, PDB)), 60)
+        wait_for("two Ready pods again", lambda: ready_pods(kubectl, PDB, 2), timeout=300)
+        wait_for("the budget to recover", lambda: disruptions_allowed(kubectl) == 1, timeout=60)
+        wait_for(
+            "the AtomDeployment Ready",
+            lambda: is_ready(rn.atomd(kubectl, PDB)),
+            timeout=60,
+        )
         print(f"\ndrain refused after {drain_s:.0f}s; recovered {time.monotonic() - start:.0f}s "
               "after the drain began")  # fmt: skip
     finally:
