@@ -17,10 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from atom_operator import models
-from atom_operator.kube import Kube
 from atom_operator.leader import Leadership
-from atom_operator.runner import run_one, seconds_since_reconcile
+from atom_operator.reconciler import Reconciler
+from atom_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 COALESCE_S = 0.5
 
@@ -78,20 +77,15 @@ class Requeue:
 class Background:
     def __init__(
         self,
-        kube: Kube,
+        reconciler: Reconciler,
         *,
-        namespaces: tuple[str, ...],
-        interval: float,
-        default_image: str,
         logger: logging.Logger,
-        allow_host_volumes: bool = False,
         leader: Leadership | None = None,
     ) -> None:
-        self.kube = kube
-        self.namespaces = namespaces
-        self.interval = interval
-        self.default_image = default_image
-        self.allow_host_volumes = allow_host_volumes
+        self.reconciler = reconciler
+        self.kube = reconciler.kube
+        self.namespaces = reconciler.settings.namespaces
+        self.interval = reconciler.settings.reconcile_interval
         self.leader = leader  # None: always act
         self.logger = logger
         self.requeue = Requeue()
@@ -119,17 +113,7 @@ class Background:
         if meta.get("deletionTimestamp") or not self.leading:
             return
         try:
-            outcome = run_one(
-                self.kube,
-                meta=meta,
-                spec=obj.get("spec") or {},
-                status=obj.get("status") or {},
-                default_image=self.default_image,
-                logger=self.logger,
-                allow_host_volumes=self.allow_host_volumes,
-            )
-            if outcome.patch:
-                self.kube.patch_status(models.KIND, meta["namespace"], meta["name"], outcome.patch)
+            outcome = self.reconciler.run(obj, self.logger)
             self.retry(meta["namespace"], meta["name"], outcome.retry_in)
         except Exception:  # one broken object must not stop the others
             self.logger.exception(
@@ -155,7 +139,7 @@ class Background:
 
             def fetch_and_reconcile(key: tuple[str, str]) -> None:
                 try:
-                    obj = self.kube.get(models.KIND, *key)
+                    obj = self.kube.get(KIND, *key)
                 except Exception:
                     self.logger.exception("fetching %s/%s failed", *key)
                     return
@@ -166,9 +150,9 @@ class Background:
 
     def _list_all(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
-        base = f"/apis/{models.GROUP}/{models.VERSION}"
-        paths = [f"{base}/namespaces/{ns}/{models.PLURAL}" for ns in self.namespaces]
-        for path in paths or [f"{base}/{models.PLURAL}"]:
+        base = f"/apis/{GROUP}/{VERSION}"
+        paths = [f"{base}/namespaces/{ns}/{PLURAL}" for ns in self.namespaces]
+        for path in paths or [f"{base}/{PLURAL}"]:
             items += self.kube.request("GET", path).get("items", [])
         return items
 
@@ -187,12 +171,16 @@ class Background:
             if not self.leading:
                 continue
             try:
+                listed_since = time.monotonic()
                 items = self._list_all()
+                # What the listing no longer names was deleted (a missed delete event too).
+                self.reconciler.retain({o["metadata"]["uid"] for o in items}, listed_since)
                 # Objects an event reconciled within the interval are fresh already.
                 stale = [
                     o
                     for o in items
-                    if seconds_since_reconcile(o["metadata"]["uid"]) >= self.interval
+                    if self.reconciler.seconds_since_reconcile(o["metadata"]["uid"])
+                    >= self.interval
                 ]
                 self._map(self.resync_pool, self.reconcile_body, stale)
             except Exception:

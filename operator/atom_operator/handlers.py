@@ -1,8 +1,10 @@
-"""Kopf handlers: thin triggers around `runner.run_one` (one level-triggered reconcile).
+"""Kopf handlers: thin triggers around `Reconciler.run` (one level-triggered reconcile).
 
 create / update / resume of an AtomDeployment reconcile it; an event on any child requeues its
-owner; a periodic resync pass reconciles everything (`background`). No delete handler and no
-timer: children carry ownerReferences for the garbage collector, and no Kopf finalizer is added.
+owner; a periodic resync pass reconciles everything (`background`); a deleted object is
+forgotten. No timer and no delete handler: children carry ownerReferences for the garbage
+collector, and no Kopf finalizer is added.
+What `configure` starts lives in Kopf's memo, not in module globals.
 """
 
 from __future__ import annotations
@@ -10,19 +12,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import kopf
 
-from atom_operator import metrics, models, naming
+from atom_operator import metrics, naming
 from atom_operator.background import Background
 from atom_operator.kube import Kube
 from atom_operator.leader import AlwaysLeader, LeaderElector
-from atom_operator.runner import latency_summary, run_one
+from atom_operator.reconciler import Reconciler
 from atom_operator.settings import Settings
+from atom_operator.spec import GROUP, PLURAL, VERSION
 
-SETTINGS = Settings.from_env()
-RESOURCE = (models.GROUP, models.VERSION, models.PLURAL)
+RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_RESOURCES = [
     ("apps", "v1", "deployments"),
     ("batch", "v1", "jobs"),
@@ -34,7 +38,23 @@ CHILD_RESOURCES = [
     ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 OURS = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
-_state: dict[str, Any] = {}
+MEMO_KEY = "operator"
+
+
+@dataclass
+class Operator:
+    """What `configure` starts and `shutdown` stops."""
+
+    reconciler: Reconciler
+    background: Background
+    leader: LeaderElector | AlwaysLeader
+    metrics: ThreadingHTTPServer | None = None
+
+
+def _operator(memo: kopf.Memo) -> Operator | None:
+    """The running operator (None before `configure` has run)."""
+    found = memo.get(MEMO_KEY)
+    return found if isinstance(found, Operator) else None
 
 
 class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
@@ -49,99 +69,95 @@ class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+def configure(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
     settings.persistence.diffbase_storage = DigestDiffBaseStorage(
-        prefix=models.GROUP, key="last-handled-digest"
+        prefix=GROUP, key="last-handled-digest"
     )
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
-    settings.persistence.finalizer = f"{models.GROUP}/finalizer"  # unused: no handler needs one
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.finalizer = f"{GROUP}/finalizer"  # unused: no handler needs one
     settings.posting.level = logging.WARNING  # no event per successful reconcile
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16
-    kube = Kube.from_environment()
-    _state["kube"] = kube
-    if SETTINGS.leader_election:
+    config = Settings.from_env()  # here, not at import: importing the handlers reads nothing
+    reconciler = Reconciler(Kube.from_environment(), config)
+    if config.leader_election:
         leader: LeaderElector | AlwaysLeader = LeaderElector(
-            kube,
-            namespace=SETTINGS.lease_namespace,
-            name=SETTINGS.lease_name,
-            identity=SETTINGS.identity,
-            lease_s=SETTINGS.lease_seconds,
-            renew_deadline_s=SETTINGS.lease_seconds * 2 / 3,
+            reconciler.kube,
+            namespace=config.lease_namespace,
+            name=config.lease_name,
+            identity=config.identity,
+            lease_s=config.lease_seconds,
+            renew_deadline_s=config.lease_seconds * 2 / 3,
             # Handlers skipped while standing by: the new leader reconciles everything.
-            on_elected=lambda: _state["background"].resync_now(),
+            on_elected=lambda: bg.resync_now(),
             logger=logger,
         )
     else:
         leader = AlwaysLeader()
-    _state["leader"] = leader
-    _state["background"] = bg = Background(
-        kube,
-        namespaces=SETTINGS.namespaces,
-        interval=SETTINGS.reconcile_interval,
-        default_image=SETTINGS.default_image,
-        logger=logger,
-        allow_host_volumes=SETTINGS.allow_host_volumes,
-        leader=leader,
-    )
+    bg = Background(reconciler, logger=logger, leader=leader)
+    op = Operator(reconciler=reconciler, background=bg, leader=leader)
+    memo[MEMO_KEY] = op
     bg.start()
     leader.start()
-    if SETTINGS.metrics_port:
+    if config.metrics_port:
         try:
-            _state["metrics"] = metrics.serve(SETTINGS.metrics_port, lambda: leader.leading)
+            op.metrics = metrics.serve(
+                config.metrics_port, reconciler.stats, lambda: leader.leading
+            )
         except OSError as exc:  # a port in use must not stop the operator
-            logger.warning("metrics on :%s not served: %s", SETTINGS.metrics_port, exc)
+            logger.warning("metrics on :%s not served: %s", config.metrics_port, exc)
     logger.info(
         "atom-operator: resync every %ss, default image %s",
-        SETTINGS.reconcile_interval,
-        SETTINGS.default_image,
+        config.reconcile_interval,
+        config.default_image,
     )
 
 
 @kopf.on.cleanup()
-def shutdown(**_: Any) -> None:
-    if "leader" in _state:
-        _state["leader"].release()
-    if "background" in _state:
-        _state["background"].shutdown()
-    if "metrics" in _state:
-        _state["metrics"].shutdown()
+def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    op = _operator(memo)
+    if op is None:
+        return
+    op.leader.release()
+    op.background.shutdown()
+    if op.metrics is not None:
+        op.metrics.shutdown()
 
 
 @kopf.on.create(*RESOURCE, backoff=5)
 @kopf.on.update(*RESOURCE, backoff=5)
 @kopf.on.resume(*RESOURCE, backoff=5)
-def on_change(
-    meta: kopf.Meta,
-    spec: kopf.Spec,
-    status: kopf.Status,
-    patch: kopf.Patch,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    if not _state["leader"].leading:
+def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    op = _operator(memo)
+    if op is None or not op.leader.leading:
         return  # another replica acts; this one reconciles everything once elected
-    outcome = run_one(
-        _state["kube"],
-        meta=meta,
-        spec=spec,
-        status=status,
-        default_image=SETTINGS.default_image,
-        logger=logger,
-        allow_host_volumes=SETTINGS.allow_host_volumes,
-    )
-    if outcome.patch:
-        patch.status.update(outcome.patch)
-    _state["background"].retry(meta["namespace"], meta["name"], outcome.retry_in)
+    outcome = op.reconciler.run(body, logger)  # writes the status itself (reconciler.py)
+    meta = body["metadata"]
+    op.background.retry(meta["namespace"], meta["name"], outcome.retry_in)
 
 
-def _child_changed(body: kopf.Body, **_: Any) -> None:
+# Not `kopf.on.delete(optional=True)`: without a finalizer on the object Kopf (1.45) never calls
+# a delete handler (the deletion is "FREE" or "GONE" to it), and a mandatory one would add the
+# finalizer that makes deletion hang while the operator is down. The watch's DELETED event
+# reaches a plain event handler, which adds no finalizer either.
+@kopf.on.event(*RESOURCE, id="forget-deleted")
+def on_deleted(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    """Forget a deleted object (a missed event is caught by the resync's listing)."""
+    op = _operator(memo)
+    if event["type"] == "DELETED" and op is not None:
+        op.reconciler.forget(event["object"]["metadata"]["uid"])
+
+
+def _child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Requeue the owner named by the child's instance label (retained PVCs have no owner
     reference, so the label is the link)."""
     owner = (body.metadata.labels or {}).get(naming.LABEL_INSTANCE)
-    if owner and "background" in _state:
-        _state["background"].requeue.add(body.metadata.namespace, owner)
+    op = _operator(memo)
+    if owner and op is not None:
+        op.background.requeue.add(body.metadata.namespace, owner)
 
 
 for _group, _version, _plural in CHILD_RESOURCES:
@@ -149,6 +165,7 @@ for _group, _version, _plural in CHILD_RESOURCES:
 
 
 @kopf.on.probe(id="reconcile")
-def probe_reconcile(**_: Any) -> dict[str, float]:
+def probe_reconcile(memo: kopf.Memo, **_: Any) -> dict[str, float]:
     """Reconcile count and latency percentiles (seconds), served on /healthz for the benchmark."""
-    return latency_summary()
+    op = _operator(memo)
+    return op.reconciler.stats.summary() if op is not None else {"count": 0}

@@ -1,14 +1,14 @@
-"""One level-triggered reconcile: observe children, apply the plan, prune, write status.
+"""One level-triggered reconcile: observe children, apply the plan, prune, compute status.
 
-Called by every Kopf trigger (create, update, resume, timer); it never reads a diff, so any
-trigger converges the same way, and a restart mid-way just runs it again.
+Called by every trigger (create, update, resume, child event, resync) through `Reconciler.run`;
+it never reads a diff, so any trigger converges the same way, and a restart mid-way just runs
+it again. What it remembers of one object between passes is that object's `ObjectMemory`.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -16,19 +16,25 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from atom_operator import builders, events, models, naming, status
+from atom_operator import builders, events, naming, status
 from atom_operator.applied import AppliedCache
 from atom_operator.builders import Owner, Plan
 from atom_operator.builders.secret import build_internal_token_secret
 from atom_operator.kube import ApiError, Kube
-from atom_operator.models import AtomDeploymentSpec
 from atom_operator.snapshot import Snapshot
+from atom_operator.spec import GROUP, KIND, VERSION, AtomDeploymentSpec
 
-APPLIED = AppliedCache()
 SECRET_RECHECK_S = 300.0  # a token Secret deleted by hand comes back within this long
-_secrets_seen: dict[tuple[str, str, str], float] = {}  # (namespace, name, owner uid) -> when
-_secrets_lock = threading.Lock()
-_last_status: dict[str, dict[str, Any]] = {}  # uid -> status this process last computed
+
+
+@dataclass
+class ObjectMemory:
+    """What this process remembers of one AtomDeployment between reconciles. Only the pass
+    holding the object's lock touches it (`Reconciler`), so it needs no lock of its own."""
+
+    applied: AppliedCache = field(default_factory=AppliedCache)  # no-op applies to skip
+    secrets_seen: dict[str, float] = field(default_factory=dict)  # Secret name -> monotonic
+    last_status: dict[str, Any] | None = None  # the status last computed here
 
 
 @dataclass
@@ -79,37 +85,35 @@ def _optional_list(kube: Kube, kind: str, namespace: str, selector: str) -> list
         raise
 
 
-def ensure_token_secret(kube: Kube, owner: Owner, name: str) -> None:
+def ensure_token_secret(kube: Kube, memory: ObjectMemory, owner: Owner, name: str) -> None:
     """Create the internal-token Secret once with a fresh random token; an existing one is
     never read nor rewritten (no rotation on reconcile, and no RBAC to read Secrets)."""
-    key = (owner.namespace, name, owner.uid)
-    with _secrets_lock:
-        seen = _secrets_seen.get(key)
+    seen = memory.secrets_seen.get(name)
     if seen is not None and time.monotonic() - seen < SECRET_RECHECK_S:
         return
     kube.create(build_internal_token_secret(owner, name, secrets.token_hex(32)))
-    with _secrets_lock:
-        _secrets_seen[key] = time.monotonic()
+    memory.secrets_seen[name] = time.monotonic()
 
 
 def post_events(
     kube: Kube,
+    memory: ObjectMemory,
     owner: Owner,
     previous: dict[str, Any] | None,
     current: dict[str, Any],
     logger: logging.Logger,
 ) -> None:
     involved = {
-        "apiVersion": f"{models.GROUP}/{models.VERSION}",
-        "kind": models.KIND,
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
         "name": owner.name,
         "namespace": owner.namespace,
         "uid": owner.uid,
     }
     # What this process computed last wins over the object's (possibly stale) status, so two
     # triggers racing on one change post its events once.
-    before = _last_status.get(owner.uid, previous)
-    _last_status[owner.uid] = current
+    before = previous if memory.last_status is None else memory.last_status
+    memory.last_status = current
     for ev in events.transitions(before, current):
         try:
             kube.post_event(involved, ev.type, ev.reason, ev.message)
@@ -119,6 +123,7 @@ def post_events(
 
 def reconcile(
     kube: Kube,
+    memory: ObjectMemory,
     *,
     name: str,
     namespace: str,
@@ -167,17 +172,17 @@ def reconcile(
     result = Result(plan=plan, status={})
     if plan.token_secret:
         try:  # before the pods that read it (the kubelet would wait for it anyway)
-            ensure_token_secret(kube, owner, plan.token_secret)
+            ensure_token_secret(kube, memory, owner, plan.token_secret)
         except ApiError as exc:
             msg = f"Secret {plan.token_secret}: {exc.message}"
             logger.warning("creating the internal token failed: %s", msg)
             result.errors.append(msg)
     observed = snap.by_key()
     for obj in plan.apply:
-        if APPLIED.unchanged(obj, observed.get((obj["kind"], obj["metadata"]["name"]))):
+        if memory.applied.unchanged(obj, observed.get((obj["kind"], obj["metadata"]["name"]))):
             continue
         try:
-            APPLIED.record(obj, kube.apply(obj))
+            memory.applied.record(obj, kube.apply(obj))
             result.applied += 1
         except ApiError as exc:
             if obj["kind"] == "PodMonitor" and exc.status == 404:
@@ -195,7 +200,7 @@ def reconcile(
             item_name = item["metadata"]["name"]
             if (kind, item_name) not in plan.keep and not item["metadata"].get("deletionTimestamp"):
                 kube.delete(kind, namespace, item_name)
-                APPLIED.forget(kind, namespace, item_name)
+                memory.applied.forget(kind, namespace, item_name)
                 result.deleted.append(f"{kind}/{item_name}")
     if result.deleted:
         logger.info("pruned %s", ", ".join(result.deleted))
@@ -211,6 +216,6 @@ def reconcile(
         apply_errors=result.errors,
         monitoring_unavailable=result.monitoring_unavailable,
     )
-    post_events(kube, owner, previous_status, result.status, logger)
+    post_events(kube, memory, owner, previous_status, result.status, logger)
     result.seconds = time.monotonic() - started
     return result

@@ -1,7 +1,8 @@
 """Pure status computation: phase, conditions and per-role counts from observed children.
 
 Truthful means: counts come from pods at the current revision, Ready needs every role ready
-at that revision (and the router on it), and Degraded names the cause.
+at that revision (and the router on it), and Degraded names the cause. The status is built as
+the CRD's own `AtomDeploymentStatus` and dumped by alias, so it cannot drift from the schema.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Any
 
 from atom_operator import naming, problems, runtime_args
 from atom_operator.builders import Plan
-from atom_operator.models import AtomDeploymentSpec
 from atom_operator.problems import Problem
 from atom_operator.snapshot import (
     Snapshot,
@@ -21,6 +21,14 @@ from atom_operator.snapshot import (
     label,
     live_pods,
     pod_ready,
+)
+from atom_operator.spec import AtomDeploymentSpec
+from atom_operator.status_models import (
+    AtomDeploymentStatus,
+    CompileCacheStatus,
+    Condition,
+    Phase,
+    RoleStatus,
 )
 
 CLAIM_PENDING_GRACE = timedelta(minutes=2)  # binding (or WaitForFirstConsumer) takes a moment
@@ -36,25 +44,23 @@ def _parse_time(text: str | None) -> datetime | None:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
-def role_counts(
-    spec: AtomDeploymentSpec, snap: Snapshot, role: str, revision: str
-) -> dict[str, Any]:
+def role_counts(spec: AtomDeploymentSpec, snap: Snapshot, role: str, revision: str) -> RoleStatus:
     pods = live_pods(snap, role)
     current = [p for p in pods if label(p, naming.LABEL_REVISION) == revision]
-    return {
-        "replicas": runtime_args.role_replicas(spec, role),
-        "readyReplicas": sum(pod_ready(p) for p in current),
-        "updatedReplicas": len(current),
-        "revision": revision,
-        "tensorParallel": runtime_args.tensor_size(spec, role),
-    }
+    return RoleStatus(
+        replicas=runtime_args.role_replicas(spec, role),
+        ready_replicas=sum(pod_ready(p) for p in current),
+        updated_replicas=len(current),
+        revision=revision,
+        tensor_parallel=runtime_args.tensor_size(spec, role),
+    )
 
 
-def _role_ready(counts: dict[str, Any], snap: Snapshot, role: str, revision: str) -> bool:
+def _role_ready(counts: RoleStatus, snap: Snapshot, role: str, revision: str) -> bool:
     stale = [p for p in live_pods(snap, role) if label(p, naming.LABEL_REVISION) != revision]
     return (
-        counts["readyReplicas"] >= counts["replicas"]
-        and counts["updatedReplicas"] == counts["replicas"]
+        counts.ready_replicas >= counts.replicas
+        and counts.updated_replicas == counts.replicas
         and not stale
     )
 
@@ -118,19 +124,27 @@ def _condition(
     generation: int,
     now: datetime,
     previous: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
+) -> Condition:
     prev = previous.get(ctype)
     changed = prev is None or prev.get("status") != status
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": _timestamp(now)
-        if changed
-        else prev.get("lastTransitionTime", _timestamp(now)),
-        "observedGeneration": generation,
-    }
+    return Condition.model_validate(
+        {
+            "type": ctype,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": _timestamp(now)
+            if changed
+            else prev.get("lastTransitionTime", _timestamp(now)),
+            "observedGeneration": generation,
+        }
+    )
+
+
+def _dumped(status: AtomDeploymentStatus) -> dict[str, Any]:
+    """The status stanza (camelCase) for the status subresource. Every field that was set is
+    written, None included (a merge patch then clears it); fields never set are left out."""
+    return status.model_dump(by_alias=True, exclude_unset=True)
 
 
 def monitoring_condition(spec: AtomDeploymentSpec, unavailable: bool) -> tuple[str, str, str]:
@@ -165,7 +179,7 @@ def compute_status(
 ) -> dict[str, Any]:
     """The whole status stanza (camelCase), ready for the status subresource."""
     rev = plan.revision
-    roles: dict[str, dict[str, Any]] = {}
+    roles: dict[str, RoleStatus] = {}
     ready_roles = 0
     for role in runtime_args.roles(spec):
         counts = role_counts(spec, snap, role, rev)
@@ -180,14 +194,14 @@ def compute_status(
         )
         router_ok = router_serving == rev and deployment_complete(dep)
         pods = live_pods(snap, naming.ROUTER)
-        roles[naming.ROUTER] = {
-            "replicas": runtime_args.role_replicas(spec, naming.ROUTER),
-            "readyReplicas": sum(
+        roles[naming.ROUTER] = RoleStatus(  # no tensorParallel: the router holds no model
+            replicas=runtime_args.role_replicas(spec, naming.ROUTER),
+            ready_replicas=sum(
                 pod_ready(p) for p in pods if label(p, naming.LABEL_REVISION) == rev
             ),
-            "updatedReplicas": sum(label(p, naming.LABEL_REVISION) == rev for p in pods),
-            "revision": router_serving,
-        }
+            updated_replicas=sum(label(p, naming.LABEL_REVISION) == rev for p in pods),
+            revision=router_serving,
+        )
         total_roles += 1
         ready_roles += router_ok
 
@@ -212,9 +226,7 @@ def compute_status(
         progressing = ("False", "RolloutComplete", f"revision {rev} is serving")
     else:
         waiting = [
-            r
-            for r, c in roles.items()
-            if c["readyReplicas"] < c["replicas"] or c.get("revision") != rev
+            r for r, c in roles.items() if c.ready_replicas < c.replicas or c.revision != rev
         ]
         if plan.waiting_for_warmup:
             reason, msg = (
@@ -261,6 +273,7 @@ def compute_status(
                 previous,
             )
         )
+    phase: Phase
     if found:
         phase = "Degraded"
     elif all_ready:
@@ -276,29 +289,29 @@ def compute_status(
     )
     keys = plan.cache_keys
     unified = roles.get(naming.UNIFIED)
-    status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "phase": phase,
-        "conditions": conditions,
-        "roles": roles,
-        "compileCache": {
-            "key": next(iter(keys.values()))
+    status = AtomDeploymentStatus(
+        observed_generation=generation,
+        phase=phase,
+        conditions=conditions,
+        roles=roles,
+        compile_cache=CompileCacheStatus(
+            key=next(iter(keys.values()))
             if len(set(keys.values())) == 1
             else ",".join(f"{r}:{k}" for r, k in keys.items()),
-            "keys": keys,
-            "claimName": plan.claim_name,
-        },
-        "revision": rev,
-        "servingRevision": plan.serving_revision,
-        "endpoint": plan.endpoint,
-        "graphMode": graph_mode,
-        "tensorParallel": per_role(spec, lambda role: str(runtime_args.tensor_size(spec, role))),
-        "kvTransport": runtime_args.kv_transport(spec),
-        "ready": f"{ready_roles}/{total_roles}",
-        "replicas": unified["updatedReplicas"] if unified else 0,
-        "selector": naming.selector_string(naming.selector_labels(name, naming.UNIFIED)),
-    }
-    return status
+            keys=keys,
+            claim_name=plan.claim_name,
+        ),
+        revision=rev,
+        serving_revision=plan.serving_revision,
+        endpoint=plan.endpoint,
+        graph_mode=graph_mode,
+        tensor_parallel=per_role(spec, lambda role: str(runtime_args.tensor_size(spec, role))),
+        kv_transport=runtime_args.kv_transport(spec),
+        ready=f"{ready_roles}/{total_roles}",
+        replicas=unified.updated_replicas if unified else 0,
+        selector=naming.selector_string(naming.selector_labels(name, naming.UNIFIED)),
+    )
+    return _dumped(status)
 
 
 def per_role(spec: AtomDeploymentSpec, value: Callable[[str], str]) -> str:
@@ -323,15 +336,16 @@ def invalid_spec_status(
     if reason == "InvalidSpec":
         message = f"spec does not match the operator's schema (is the CRD up to date?): {message}"
     msg = message[:1000]
-    return {
-        "observedGeneration": generation,
-        "phase": "Degraded",
-        "conditions": [
+    status = AtomDeploymentStatus(
+        observed_generation=generation,
+        phase="Degraded",
+        conditions=[
             _condition("Ready", "False", reason, msg, generation, now, previous),
             _condition("Progressing", "False", reason, msg, generation, now, previous),
             _condition("Degraded", "True", reason, msg, generation, now, previous),
         ],
-    }
+    )
+    return _dumped(status)
 
 
 def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def test_add_from_another_thread_wakes_the_worker() -> None:
 
 
 def test_later_keys_join_when_due_and_retry_backs_off() -> None:
-    from atom_operator.runner import retry_delay
+    from atom_operator.reconciler import retry_delay
 
     now = [100.0]
     q = Requeue(clock=lambda: now[0])

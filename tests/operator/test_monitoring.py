@@ -57,16 +57,20 @@ def test_missing_crd_is_a_condition_not_a_failure() -> None:
 
 def test_operator_metrics_endpoint() -> None:
     from atom_operator import metrics
-    from atom_operator.runner import TOTALS
 
-    server = metrics.serve(0, lambda: True)
+    stats = metrics.ReconcileStats()
+    stats.record(0.25, failed=False)
+    stats.record(0.5, failed=True)
+    server = metrics.serve(0, stats, lambda: True)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
     finally:
         server.shutdown()
-    assert f"atom_operator_reconciles_total {TOTALS['reconciles']}" in text
+    assert f"atom_operator_reconciles_total {stats.reconciles}" in text
+    assert "atom_operator_reconciles_total 2" in text
+    assert "atom_operator_failed_reconciles_total 1" in text
     assert "atom_operator_leader 1" in text
     assert 'atom_operator_reconcile_seconds{quantile="0.99"}' in text
 

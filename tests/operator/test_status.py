@@ -220,7 +220,7 @@ def _reconcile_without_api(spec_body: dict, generation: int):
     """reconcile() with a client that fails any call: for specs it must not act on."""
     import logging
 
-    from atom_operator.reconcile import reconcile
+    from atom_operator.reconcile import ObjectMemory, reconcile
 
     class NoApi:
         def __getattr__(self, name: str):
@@ -228,6 +228,7 @@ def _reconcile_without_api(spec_body: dict, generation: int):
 
     return reconcile(
         NoApi(),  # type: ignore[arg-type]
+        ObjectMemory(),
         name="demo",
         namespace="serving",
         uid="u",
