@@ -10,7 +10,6 @@ deletion hang whenever the operator is down.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from atom_operator.leader import Leadership
+from atom_operator.logs import Logger
 from atom_operator.reconciler import Reconciler
 from atom_operator.spec import GROUP, KIND, PLURAL, VERSION
 
@@ -79,7 +79,7 @@ class Background:
         self,
         reconciler: Reconciler,
         *,
-        logger: logging.Logger,
+        logger: Logger,
         leader: Leadership | None = None,
     ) -> None:
         self.reconciler = reconciler

@@ -22,6 +22,7 @@ from atom_operator import metrics, naming
 from atom_operator.background import Background
 from atom_operator.kube import Kube
 from atom_operator.leader import AlwaysLeader, LeaderElector
+from atom_operator.logs import Logger
 from atom_operator.reconciler import Reconciler
 from atom_operator.settings import Settings
 from atom_operator.spec import GROUP, PLURAL, VERSION
@@ -51,8 +52,9 @@ class Operator:
     metrics: ThreadingHTTPServer | None = None
 
 
-def _operator(memo: kopf.Memo) -> Operator | None:
-    """The running operator (None before `configure` has run)."""
+def _operator(memo: Any) -> Operator | None:
+    """The running operator (None before `configure` has run). Kopf types each handler's memo
+    as Any (the operator's own object, a `kopf.Memo` by default)."""
     found = memo.get(MEMO_KEY)
     return found if isinstance(found, Operator) else None
 
@@ -65,13 +67,11 @@ class DigestDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
         essence = super().build(body=body, extra_fields=extra_fields)
         blob = json.dumps(essence, sort_keys=True, separators=(",", ":"))
-        return {"digest": hashlib.sha256(blob.encode()).hexdigest()}  # type: ignore[return-value]
+        return {"digest": hashlib.sha256(blob.encode()).hexdigest()}  # type: ignore[typeddict-unknown-key]
 
 
 @kopf.on.startup()
-def configure(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
-) -> None:
+def configure(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any) -> None:
     settings.persistence.diffbase_storage = DigestDiffBaseStorage(
         prefix=GROUP, key="last-handled-digest"
     )
@@ -117,7 +117,7 @@ def configure(
 
 
 @kopf.on.cleanup()
-def shutdown(memo: kopf.Memo, **_: Any) -> None:
+def shutdown(memo: Any, **_: Any) -> None:
     op = _operator(memo)
     if op is None:
         return
@@ -130,7 +130,7 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(*RESOURCE, backoff=5)
 @kopf.on.update(*RESOURCE, backoff=5)
 @kopf.on.resume(*RESOURCE, backoff=5)
-def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+def on_change(body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
     op = _operator(memo)
     if op is None or not op.leader.leading:
         return  # another replica acts; this one reconciles everything once elected
@@ -144,20 +144,21 @@ def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 # finalizer that makes deletion hang while the operator is down. The watch's DELETED event
 # reaches a plain event handler, which adds no finalizer either.
 @kopf.on.event(*RESOURCE, id="forget-deleted")
-def on_deleted(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+def on_deleted(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     """Forget a deleted object (a missed event is caught by the resync's listing)."""
     op = _operator(memo)
     if event["type"] == "DELETED" and op is not None:
         op.reconciler.forget(event["object"]["metadata"]["uid"])
 
 
-def _child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def _child_changed(body: kopf.Body, memo: Any, **_: Any) -> None:
     """Requeue the owner named by the child's instance label (retained PVCs have no owner
     reference, so the label is the link)."""
     owner = (body.metadata.labels or {}).get(naming.LABEL_INSTANCE)
+    namespace = body.metadata.namespace
     op = _operator(memo)
-    if owner and op is not None:
-        op.background.requeue.add(body.metadata.namespace, owner)
+    if owner and namespace and op is not None:  # every child kind is namespaced
+        op.background.requeue.add(namespace, owner)
 
 
 for _group, _version, _plural in CHILD_RESOURCES:
@@ -165,7 +166,7 @@ for _group, _version, _plural in CHILD_RESOURCES:
 
 
 @kopf.on.probe(id="reconcile")
-def probe_reconcile(memo: kopf.Memo, **_: Any) -> dict[str, float]:
+def probe_reconcile(memo: Any, **_: Any) -> dict[str, float]:
     """Reconcile count and latency percentiles (seconds), served on /healthz for the benchmark."""
     op = _operator(memo)
     return op.reconciler.stats.summary() if op is not None else {"count": 0}

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from atom_operator.kube import ApiError, Kube
+from atom_operator.logs import Logger
 
 
 class Leadership(Protocol):
@@ -42,7 +43,7 @@ class LeaderElector:
         renew_deadline_s: float = 10.0,
         renew_s: float = 2.0,
         on_elected: Callable[[], None] = lambda: None,
-        logger: logging.Logger | None = None,
+        logger: Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity

@@ -175,7 +175,12 @@ def foreign_scalers(snap: Snapshot, owned_deployments: set[str]) -> list[Problem
 
 def unique(problems: list[Problem]) -> list[Problem]:
     seen: set[Problem] = set()
-    return [p for p in problems if not (p in seen or seen.add(p))]
+    out: list[Problem] = []
+    for p in problems:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
 
 
 def joined(problems: list[Problem], limit: int = 4 * MAX_MESSAGE) -> str:

@@ -7,7 +7,6 @@ it again. What it remembers of one object between passes is that object's `Objec
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from atom_operator.applied import AppliedCache
 from atom_operator.builders import Owner, Plan
 from atom_operator.builders.secret import build_internal_token_secret
 from atom_operator.kube import ApiError, Kube
+from atom_operator.logs import Logger
 from atom_operator.snapshot import Snapshot
 from atom_operator.spec import GROUP, KIND, VERSION, AtomDeploymentSpec
 
@@ -101,7 +101,7 @@ def post_events(
     owner: Owner,
     previous: dict[str, Any] | None,
     current: dict[str, Any],
-    logger: logging.Logger,
+    logger: Logger,
 ) -> None:
     involved = {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -132,7 +132,7 @@ def reconcile(
     spec_body: dict[str, Any],
     previous_status: dict[str, Any] | None,
     default_image: str,
-    logger: logging.Logger,
+    logger: Logger,
     allow_host_volumes: bool = False,
 ) -> Result:
     started = time.monotonic()

@@ -8,7 +8,6 @@ reconciled. `forget(uid)` drops all of it: on delete, and for any uid a resync n
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atom_operator.kube import ApiError, Kube
+from atom_operator.logs import Logger
 from atom_operator.metrics import ReconcileStats
 from atom_operator.reconcile import ObjectMemory, reconcile
 from atom_operator.settings import Settings
@@ -87,7 +87,7 @@ class Reconciler:
                 if tracked.forgotten and not tracked.users:
                     del self._objects[uid]
 
-    def run(self, obj: Mapping[str, Any], logger: logging.Logger) -> Outcome:
+    def run(self, obj: Mapping[str, Any], logger: Logger) -> Outcome:
         """Reconcile one AtomDeployment (its metadata, spec and status as last seen) and write
         its status. Kopf handlers and the background triggers of one object never interleave."""
         meta = obj["metadata"]
@@ -117,7 +117,7 @@ class Reconciler:
         return Outcome(patch, retry_delay(failures))
 
     def _write_status(
-        self, namespace: str, name: str, patch: dict[str, Any], logger: logging.Logger
+        self, namespace: str, name: str, patch: dict[str, Any], logger: Logger
     ) -> None:
         # The one status writer, for Kopf handlers and background triggers alike: a merge patch
         # of the status subresource, sent while the object's lock is held. Kopf's own

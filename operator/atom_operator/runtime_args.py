@@ -168,7 +168,7 @@ def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
     if graph_mode(spec, comp) == "NONE":  # ignored sizes must not split the cache
         comp_fields.pop("cudagraph_capture_sizes", None)
         comp_fields.pop("cuda_graph_sizes", None)
-    identity = {
+    identity: dict[str, Any] = {
         "image": image,
         "model": {
             "name": spec.model.name,

@@ -207,6 +207,10 @@ class Compilation(CompilationOverride):
     use_inductor: bool = Field(default=True, description="Compile pieces with Inductor.")
 
 
+def _shared_access() -> list[AccessMode]:
+    return ["ReadWriteMany"]
+
+
 class CompileCacheSpec(CamelModel):
     """The compile-cache volume: compiled artifacts reused across pods and restarts."""
 
@@ -220,7 +224,7 @@ class CompileCacheSpec(CamelModel):
         default=None, description="Storage class of the created claim."
     )
     access_modes: list[AccessMode] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
+        default_factory=_shared_access,
         min_length=1,
         description="Access modes of the created claim (several pods share one cache).",
         json_schema_extra={"default": ["ReadWriteMany"]},
@@ -466,7 +470,9 @@ class SpeculativeSpec(CamelModel):
 class AtomDeploymentSpec(CamelModel):
     """Desired state of an ATOM model server."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": spec_rules()})
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{**rule} for rule in spec_rules()]}
+    )
 
     image: str | None = Field(
         default=None,

@@ -126,16 +126,16 @@ def _condition(
     previous: dict[str, dict[str, Any]],
 ) -> Condition:
     prev = previous.get(ctype)
-    changed = prev is None or prev.get("status") != status
+    since = _timestamp(now)
+    if prev is not None and prev.get("status") == status:  # unchanged: keep when it changed
+        since = prev.get("lastTransitionTime", since)
     return Condition.model_validate(
         {
             "type": ctype,
             "status": status,
             "reason": reason,
             "message": message,
-            "lastTransitionTime": _timestamp(now)
-            if changed
-            else prev.get("lastTransitionTime", _timestamp(now)),
+            "lastTransitionTime": since,
             "observedGeneration": generation,
         }
     )

@@ -60,7 +60,7 @@ def build_network_policies(owner: Owner, spec: AtomDeploymentSpec) -> list[dict[
     endpoint_role = naming.ROUTER if spec.disaggregated else naming.UNIFIED
     endpoint_from = np.endpoint_from if np.endpoint_from is not None else ALL_NAMESPACES
     out = [_policy(owner, "endpoint", endpoint_role, [{"from": endpoint_from, "ports": [http]}])]
-    if not spec.disaggregated:
+    if spec.disaggregation is None:
         return out
     router = [_peer(owner.name, naming.ROUTER)]
     http_from = router + list(np.metrics_from or [])

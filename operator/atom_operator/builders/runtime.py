@@ -177,7 +177,7 @@ def runtime_container(
     ports = [{"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"}]
     if role in (naming.PREFILL, naming.DECODE):
         ports.append({"name": "kv", "containerPort": naming.KV_PORT, "protocol": "TCP"})
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.compile_cache.enabled:
         mounts.append({"name": "compile-cache", "mountPath": naming.CACHE_MOUNT})
     if spec.model.volume is not None:
