@@ -96,7 +96,6 @@ class RequestPath:
     """An engine core (forward stubbed) and the API server's pieces around it."""
 
     def __init__(self, model_dir: Path, real_forward: bool = False) -> None:
-        from atom.engine import SamplingParams
         from atom.entrypoints.core.messages import input_decoder, output_decoder
         from atom.tokenizer import load_tokenizer
         from host_overhead import build
@@ -113,7 +112,6 @@ class RequestPath:
         else:
             engine, core = build(1, MAX_LEN, model=str(model_dir))
         self.engine, self.core = engine, core
-        core.params_cls = SamplingParams
         hf = engine.hf_config
         self.tok = load_tokenizer(str(model_dir), hf.vocab_size, hf.bos_token_id, hf.eos_token_id)
         self.in_dec, self.out_dec = input_decoder(), output_decoder()
@@ -139,7 +137,7 @@ class RequestPath:
 
         from atom.entrypoints.core import messages as msgs
         from atom.entrypoints.core.client import RequestStream
-        from atom.entrypoints.generation import Delta, engine_params
+        from atom.entrypoints.generation import Delta
         from atom.entrypoints.openai_format import OpenAIFormatter, dumps, sse
         from atom.entrypoints.protocol import completion_request
         from atom.tokenizer import IncrementalDetokenizer, StopStringChecker
@@ -156,8 +154,7 @@ class RequestPath:
                         MAX_LEN, vocab)  # fmt: skip
 
         def params_encode() -> bytes:
-            p = engine_params(req, self.tok)
-            return self.core._enc.encode(msgs.AddRequest(rid, 0, req.prompt_ids, p))
+            return self.core._enc.encode(msgs.AddRequest(rid, 0, req.prompt_ids, req.params))
 
         data = clock.run("params_encode", params_encode)
         # ---- core

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from atom.disagg.handle import KVHandle
+from atom.engine.params import SamplingParams
 from atom.entrypoints.core import messages as m
 from atom.entrypoints.core.client import EngineDead, RequestStream
 from atom.entrypoints.metrics import LATENCY_BUCKETS, FastHistogram
@@ -22,7 +23,7 @@ def test_messages_round_trip_typed() -> None:
     enc = m.encoder()
     handle = KVHandle("h", "10.0.0.1", 8001, "id", "model", 2, [1, 2, 3], 7, -0.5, 30.0)
     add = m.AddRequest(
-        "r", 1, [1, 2, 3], m.Sampling(temperature=0.0, max_tokens=4), first_token=7, kv_pull=handle
+        "r", 1, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4), first_token=7, kv_pull=handle
     )
     assert m.input_decoder().decode(enc.encode(add)) == add
     out = m.StepOutputs([m.ReqOut("r", [5, 6], [-0.1, -0.2], None, 3, 2)], steps=9)
@@ -39,7 +40,7 @@ def test_hold_and_prefix_fields_round_trip() -> None:
         "h", "10.0.0.1", 8001, "id", "model", 2, [1, 2], 7, None, 30.0, secret="s", cached_tokens=16
     )
     add = m.AddRequest(
-        "r", 0, [1, 2], m.Sampling(), first_token=7, kv_pull=handle, cached_tokens=16
+        "r", 0, [1, 2], SamplingParams(), first_token=7, kv_pull=handle, cached_tokens=16
     )
     back = m.input_decoder().decode(enc.encode(add))
     assert back.cached_tokens == 16 and back.kv_pull.secret == "s"
@@ -115,3 +116,18 @@ def test_wire_contract() -> None:
     }
     assert parse_mode("decode") is KVMode.DECODE and parse_mode("x") is None
     assert parse_mode(None) is None
+
+
+def test_engine_info_tells_the_api_server_the_engines_eos_ids() -> None:
+    """The engine applies EOS; the API server only learns the ids (a decode request that ends
+    at its first token pulls no blocks)."""
+    from atom.entrypoints.generation import ends_at_first_token
+
+    info = m.EngineInfo(64, 256, {}, {}, {}, None, eos_token_ids=[2])
+    back = m.output_decoder().decode(m.encoder().encode(m.EngineStatus("ready", "", 1, info)))
+    assert back.info.eos_token_ids == [2]
+    eos = frozenset(back.info.eos_token_ids)
+    assert ends_at_first_token(SamplingParams(max_tokens=5), 2, eos)
+    assert not ends_at_first_token(SamplingParams(max_tokens=5, ignore_eos=True), 2, eos)
+    assert not ends_at_first_token(SamplingParams(max_tokens=5), 3, eos)
+    assert ends_at_first_token(SamplingParams(max_tokens=5, stop_token_ids=[3]), 3, eos)

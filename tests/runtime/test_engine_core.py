@@ -376,8 +376,9 @@ def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hol
 
     from atom.disagg.holds import HoldCap, HoldCapExceeded
     from atom.disagg.trust import TransferKeys
+    from atom.engine.params import SamplingParams
     from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
-    from atom.entrypoints.core.messages import AddRequest, Sampling, encoder
+    from atom.entrypoints.core.messages import AddRequest, encoder
 
     released: list[str] = []
 
@@ -394,12 +395,12 @@ def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hol
     added: list[str] = []
     engine = SimpleNamespace(add_request=lambda rid, *a, **k: added.append(rid))
     core = EngineCore(build=lambda: engine, endpoints=CoreEndpoints("", []))
-    core.engine, core.params_cls = engine, dict
+    core.engine = engine
     core.kv = SimpleNamespace(service=Service())
     core._outs, core._enc = [], encoder()  # _send drops what it cannot route
     for rid, n in (("a", 3), ("b", 2), ("c", 1)):
         core._owner[rid] = 0
-        core._add_now(AddRequest(rid, 0, list(range(n)), Sampling(), hold_kv=True), None)
+        core._add_now(AddRequest(rid, 0, list(range(n)), SamplingParams(), hold_kv=True), None)
     assert added == ["a", "b"] and core.kv.service.cap.reserved == 5  # "c" met the cap
     assert core.kv.service.cap.refused == 1 and core._stats_due
     with pytest.raises(HoldCapExceeded):

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atom.entrypoints.errors import APIError
 from atom.entrypoints.protocol import completion_request
+from atom.wire.api_error import APIError
 from atom.wire.body import MAX_DEPTH, BodyError, loads_object
 
 VOCAB = 256
@@ -158,7 +158,7 @@ def _completion(prompt: Any) -> Any:
 def test_a_long_token_id_prompt_is_served_as_given() -> None:
     ids = [random.Random(1).randrange(VOCAB) for _ in range(4096)]
     req = _completion(loads_object(json.dumps({"p": ids}).encode())["p"])
-    assert req.prompt_ids == ids and req.max_tokens == 1
+    assert req.prompt_ids == ids and req.params.max_tokens == 1
 
 
 @pytest.mark.parametrize(
@@ -194,3 +194,39 @@ def test_text_prompts_take_the_tokenizer(prompt: Any) -> None:
 
     body = {"model": "m", "prompt": prompt, "max_tokens": 1}
     assert completion_request(body, Tok(), "m", 8192, VOCAB).prompt_ids == [ord("x")]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("temperature", 2.5, "temperature must be between 0 and 2"),
+        ("temperature", -0.1, "temperature must be between 0 and 2"),
+        ("top_p", 0.0, "top_p must be in (0, 1]"),
+        ("top_k", 0, "top_k must be -1 (disabled) or at least 1"),
+        ("top_k", 2**63, "top_k must be below 2**63"),
+        ("seed", 2**63, "seed must fit in a signed 64-bit integer"),
+        ("stop_token_ids", [VOCAB], f"stop_token_ids must be in [0, {VOCAB})"),
+    ],
+)
+def test_the_api_and_the_engine_refuse_sampling_values_by_one_rule(
+    field: str, value: Any, fragment: str
+) -> None:
+    """The API's 400 and the engine core's refusal are the same SamplingParams.validate()."""
+    from atom.engine.params import SamplingError, SamplingParams
+
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 1, field: value}
+    with pytest.raises(APIError) as api:
+        completion_request(body, None, "m", 64, VOCAB)
+    assert api.value.status == 400 and api.value.param == field
+    assert fragment in api.value.message
+    with pytest.raises(SamplingError) as engine:
+        SamplingParams(**{field: value}).validate(VOCAB)
+    assert engine.value.field == field and str(engine.value) == api.value.message
+
+
+def test_the_request_carries_one_validated_sampling_struct() -> None:
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 3, "temperature": 1e-45,
+            "top_k": VOCAB + 5, "stop_token_ids": [7], "ignore_eos": True, "logprobs": 1}  # fmt: skip
+    params = completion_request(body, None, "m", 64, VOCAB).params
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, -1, 3)  # normalised
+    assert params.stop_token_ids == [7] and params.ignore_eos and params.logprobs

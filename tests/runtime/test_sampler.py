@@ -140,3 +140,18 @@ def test_argmax_kernel_compiles_for_hopper_with_its_early_launch() -> None:
                 "CHUNK": triton_argmax.CHUNK, "SLICES": 128, "HOST": host, "PDL": pdl},
                 num_warps=4)
             assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 9e-6])
+def test_a_vanishing_temperature_runs_greedy(temperature: float) -> None:
+    """Issue 48: 1e-45 divided the logits into inf/NaN; validate() makes it greedy."""
+    p = SamplingParams(temperature=temperature, seed=3)
+    p.validate()
+    assert p.greedy and p.temperature == 0.0
+    logits = torch.randn(3, 50) * 30
+    sampler = Sampler(seed=1)
+    tokens, _ = sampler(logits, _seqs(p, p, p, sampler=sampler))
+    assert tokens == logits.argmax(-1).tolist()
+    kept = SamplingParams(temperature=1e-5)
+    kept.validate()
+    assert kept.temperature == 1e-5 and not kept.greedy  # the bound itself still samples

@@ -18,19 +18,25 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
+from atom.disagg.holds import KVHoldRegistry
+from atom.engine.api import EngineAPI, EngineFacts
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.entrypoints.api_server import serve
-from atom.entrypoints.async_engine import AsyncEngine
-from atom.entrypoints.server import ServerState
+from atom.entrypoints.core.client import ThreadCore
+from atom.entrypoints.state import ServerState
 from atom.tokenizer import ByteTokenizer
 
 SCRIPT = "Hello wörld ✓ STOP after the stop"
 EOS = 257
 
 
-class ScriptedEngine:
-    """Implements the LLMEngine API; every sequence generates SCRIPT's UTF-8 bytes, then EOS."""
+class ScriptedEngine(EngineAPI):
+    """Implements the engine core's EngineAPI as LLMEngine does; every sequence generates
+    SCRIPT's UTF-8 bytes, then EOS (the engine's own EOS rule: the server adds none)."""
+
+    kv_holds: KVHoldRegistry | None = None  # holds nothing for a pull
 
     def __init__(self, max_num_seqs: int = 4, step_s: float = 0.002, script: str = SCRIPT) -> None:
         self.max_num_seqs = max_num_seqs
@@ -46,13 +52,32 @@ class ScriptedEngine:
         return {"capture_seconds": 0.25, "captured_sizes": [1, 2, 4], "cache_key": "abc123"}
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        hold_kv: bool = False,
     ) -> None:
+        params = params or SamplingParams()
         params.validate()
         if len(prompt_token_ids) > 100:
             raise ValueError("prompt has 101 tokens, above max_model_len")
         self.seqs[request_id] = {"prompt": len(prompt_token_ids), "params": params, "out": 0}
         self.waiting.append(request_id)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams | None,
+        kv_blocks: torch.Tensor | None,
+        first_logprob: float | None = None,
+        *,
+        cached_tokens: int = 0,
+    ) -> None:
+        raise ValueError("the scripted engine runs no decode-role requests")
 
     def abort_request(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -75,7 +100,7 @@ class ScriptedEngine:
             tok = self.script[seq["out"] % len(self.script)]
             seq["out"] += 1
             reason = None
-            if tok in params.stop_token_ids and not params.ignore_eos:
+            if tok in params.stop_token_ids or (tok == EOS and not params.ignore_eos):
                 reason = "stop"
             elif seq["out"] >= params.max_tokens:
                 reason = "length"
@@ -96,6 +121,36 @@ class ScriptedEngine:
             "kv_blocks_total": 64,
         }
 
+    def facts(self) -> EngineFacts:
+        return EngineFacts(max_model_len=0, vocab_size=0, eos_token_ids=[EOS])
+
+    def reclaim_kv(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        pass
+
+    def rank_failure(self, timeout: float) -> str | None:
+        return None
+
+
+def test_the_scripted_engine_implements_every_engine_api_method() -> None:
+    """Subclassing the Protocol would inherit its empty bodies: each member is defined here."""
+    members = {
+        name for name in vars(EngineAPI) if not name.startswith("_") and name != "kv_holds"
+    }
+    assert members and members <= set(vars(ScriptedEngine))
+    assert "kv_holds" in vars(ScriptedEngine)
+
+
+async def wait_until(check: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    """Poll check() until it holds (the engine core runs in a thread of this process)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -114,7 +169,7 @@ def run_with_server(
     async def main() -> None:
         port = free_port()
         state = ServerState(
-            engine=AsyncEngine(lambda: engine, params_cls=SamplingParams),
+            engine=ThreadCore(lambda: engine),
             served_model_name="scripted",
             model="scripted",
             max_waiting=max_waiting,
@@ -159,9 +214,9 @@ def test_completion_text_usage_and_stop_string() -> None:
         short = await client.completions.create(model="scripted", prompt="hi", max_tokens=5)
         assert short.choices[0].text == "Hello" and short.choices[0].finish_reason == "length"
         await client.close()
-        await asyncio.sleep(0.05)
         # the stop-string request's sequence was aborted in the engine, not left running
-        assert not engine.running and not engine.waiting
+        await wait_until(lambda: not engine.running and not engine.waiting, "the abort")
+        assert not engine.seqs
 
     run_with_server(check)
 
@@ -169,27 +224,33 @@ def test_completion_text_usage_and_stop_string() -> None:
 def test_streaming_chat_chunks_and_usage() -> None:
     async def check(base: str, engine: ScriptedEngine) -> None:
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x")
+        messages = [{"role": "user", "content": "hi"}]
         stream = await client.chat.completions.create(
             model="scripted",
-            messages=[{"role": "user", "content": "hi"}],
+            messages=messages,  # type: ignore[arg-type]
             max_tokens=14,
             stream=True,
             stream_options={"include_usage": True},
         )
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
+        # The content, not the chunk count: tokens that reach the stream together (a loaded
+        # machine) go out as one chunk.
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == SCRIPT.encode()[:14].decode(
             errors="replace"
         )  # a cut character flushes as U+FFFD
-        assert (
-            len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
-        )  # really incremental
         finals = [
             c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
         ]
         assert finals == ["length"]
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
+        tok = ByteTokenizer(vocab_size=512)
+        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 14)
+        assert usage.total_tokens == len(prompt) + 14
+        assert all(c.usage is None for c in chunks[:-1])  # usage comes once, last
         await client.close()
 
     run_with_server(check)
@@ -242,12 +303,23 @@ def test_queue_bound_answers_429() -> None:
     engine = ScriptedEngine(max_num_seqs=1, step_s=0.01)
 
     async def check(base: str, engine: ScriptedEngine) -> None:
-        body = {"model": "scripted", "prompt": "x", "max_tokens": 60, "ignore_eos": True}
+        body = {"model": "scripted", "prompt": "x", "max_tokens": 100, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=30) as client:
+
+            async def first_token_seen() -> bool:  # by the API server, not only the engine
+                text = (await client.get(base + "/metrics")).text
+                return "atom_time_to_first_token_seconds_count 1.0" in text
+
             first = asyncio.create_task(client.post(base + "/v1/completions", json=body))
-            await asyncio.sleep(0.1)  # first is running
+            await wait_until(lambda: len(engine.running) == 1, "the first to run")
+            deadline = time.monotonic() + 10
+            while not await first_token_seen():  # no longer counted as waiting
+                assert time.monotonic() < deadline, "the first request's first token"
+                await asyncio.sleep(0.005)
             second = asyncio.create_task(client.post(base + "/v1/completions", json=body))
-            await asyncio.sleep(0.1)  # second waits behind it (max_num_seqs=1)
+            # The second waits behind it (max_num_seqs=1): admitted, no token yet.
+            await wait_until(lambda: len(engine.waiting) == 1, "the second to queue")
+            assert len(engine.running) == 1  # the first still runs: the queue holds one
             third = await client.post(base + "/v1/completions", json=body)
             assert third.status_code == 429
             assert third.json()["error"]["code"] == "rate_limit_exceeded"
@@ -270,8 +342,12 @@ def test_client_disconnect_aborts_sequence() -> None:
                 async for _ in r.aiter_lines():
                     break  # one event, then hang up
             # non-streaming: cancel the client call mid-generation
+            await wait_until(lambda: len(engine.aborted) == 1, "the hang-up's abort")
             task = asyncio.create_task(client.post(base + "/v1/completions", json=body))
-            await asyncio.sleep(0.2)
+            await wait_until(
+                lambda: any(rid not in engine.aborted for rid in list(engine.running)),
+                "the second request to run",
+            )
             task.cancel()
         for _ in range(100):
             if len(engine.aborted) == 2 and not engine.running:
@@ -321,7 +397,7 @@ def test_health_is_503_with_reason_until_warm() -> None:
     async def main() -> None:
         port = free_port()
         state = ServerState(
-            engine=AsyncEngine(lambda: SlowWarmup(), params_cls=SamplingParams),
+            engine=ThreadCore(lambda: SlowWarmup()),
             served_model_name="s",
             model="s",
         )
@@ -483,12 +559,12 @@ def test_engine_failure_mid_stream_reports_error_and_exits_1() -> None:
 
 
 def test_engine_build_failure_exits_1() -> None:
-    def broken() -> None:
+    def broken() -> EngineAPI:
         raise FileNotFoundError("no config.json")
 
     async def main() -> int:
         state = ServerState(
-            engine=AsyncEngine(broken, params_cls=SamplingParams), served_model_name="s", model="s"
+            engine=ThreadCore(broken), served_model_name="s", model="s"
         )
         return await asyncio.wait_for(
             serve(state, "127.0.0.1", free_port(), install_signals=False), 60

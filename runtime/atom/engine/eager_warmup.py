@@ -23,13 +23,10 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from atom.engine.api import WarmupTarget
 from atom.engine.params import SamplingParams
 from atom.kernels import tuning
-
-if TYPE_CHECKING:
-    from atom.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 MAX_STEPS = 2000
@@ -80,7 +77,7 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [10 + (salt * 31 + i * 7) % 240 for i in range(n)]
 
 
-def warm_eager_paths(engine: LLMEngine, *, force: bool = False) -> float:
+def warm_eager_paths(engine: WarmupTarget, *, force: bool = False) -> float:
     """Run the synthetic waves to completion; seconds spent (0 where nothing needs it: the
     CPU compiles no Triton kernels). force: on any device (tests of the mechanics)."""
     if engine.has_unfinished_requests() or not (force or engine.runner.device.type == "cuda"):

@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atom.config import Config
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import scatter_blocks
 from atom.disagg.layout import model_identity
+from atom.engine.api import EngineAPI, EngineFacts
 from atom.engine.batch import StepBatch
 from atom.engine.block_manager import BlockManager
-from atom.engine.eager_warmup import warm_eager_paths
+from atom.engine.eos import model_eos_ids
 from atom.engine.model_runner import ModelRunner
 from atom.engine.params import RequestOutput, SamplingParams
 from atom.engine.prefix_cache import BlockHash, root_hash
@@ -35,10 +38,15 @@ from atom.engine.sampler import Sampler
 from atom.engine.scheduler import Scheduler, SchedulerOutput
 from atom.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from atom.engine.token_check import out_of_vocab
+from atom.engine.warmup import warm_up
+from atom.executor.protocol import ModelExecutor
 from atom.models.registry import load_model_config
 from atom.spec_decode.config import SpecMethod
 from atom.spec_decode.decoder import SpecDecoder
 from atom.utils.counters import counters
+
+if TYPE_CHECKING:
+    from atom.executor.executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +66,7 @@ class LaunchedStep:
 
 
 class LLMEngine:
-    def __init__(self, config: Any, *, on_fatal: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: Config, *, on_fatal: Callable[[str], None] | None = None) -> None:
         """on_fatal(reason): a tensor-parallel rank died (default: exit the process)."""
         self.config = config
         self.hf_config = load_model_config(config.model)
@@ -75,20 +83,26 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window} "
                 "(sliding-window attention is not implemented): set max_model_len <= the window"
             )
-        if int(getattr(config, "tensor_parallel_size", 1) or 1) == 1:
-            self.runner = ModelRunner(config, self.hf_config)
+        # runner: the lock-step calls (every rank makes them); local_runner: rank 0's own
+        # ModelRunner, for what only rank 0 holds (KV cache, graphs). One rank: the same object.
+        self._workers: MultiprocExecutor | None = None
+        self.runner: ModelExecutor
+        if config.tensor_parallel_size == 1:
+            self.local_runner = ModelRunner(config, self.hf_config)
+            self.runner = self.local_runner
         else:  # ranks 1..N-1 in worker processes, mirroring this runner (atom.executor)
             from atom.executor.executor import MultiprocExecutor
 
-            self.runner = MultiprocExecutor.start(config, self.hf_config, on_fatal)
-        spec = getattr(config, "speculative_config", None)
+            self._workers = MultiprocExecutor.start(config, self.hf_config, on_fatal)
+            self.runner, self.local_runner = self._workers, self._workers.local
+        spec = config.speculative_config
         self.draft_runner = self._draft_runner(config) if spec is not None else None
         num_blocks = self.runner.determine_num_blocks()
         if self.draft_runner is not None and config.num_kv_blocks is None:
             from atom.spec_decode.draft_model import draft_kv_share
 
             # The draft cache has as many blocks (it shares the block tables): split the budget.
-            num_blocks = draft_kv_share(self.runner.kv_block_bytes(),
+            num_blocks = draft_kv_share(self.local_runner.kv_block_bytes(),
                                         self.draft_runner.kv_block_bytes(), num_blocks)
         if num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
@@ -100,24 +114,25 @@ class LLMEngine:
             self.draft_runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size,
-            enable_prefix_caching=bool(getattr(config, "enable_prefix_caching", True)),
+            enable_prefix_caching=config.enable_prefix_caching,
             root=self._prefix_root())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len)
         self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
-        self.async_scheduling = bool(getattr(config, "async_scheduling", True))
+        self.async_scheduling = config.async_scheduling
         self.spec: SpecDecoder | None = None
-        if spec is not None:
-            self.spec = SpecDecoder.build(spec, self.runner, self.draft_runner, self.block_manager,
+        if spec is not None:  # one rank only (atom.executor.checks refuses it with N)
+            self.spec = SpecDecoder.build(spec, self.local_runner, self.draft_runner,
+                                          self.block_manager,
                                           config.max_model_len, int(config.seed))
             # Speculative steps are synchronous (atom.spec_decode.decoder): the next step's
             # drafts need this step's accepted tokens on the host (/status reports it too).
             self.async_scheduling = config.async_scheduling = False
-        self._copier = SampledCopier(self.runner.max_num_seqs, self.runner.device)
+        self._copier = SampledCopier(self.local_runner.max_num_seqs, self.runner.device)
         self._launched: LaunchedStep | None = None
         self.last_batch: StepBatch | None = None  # the last step() launched (None: none)
         self.last_launch_s = 0.0  # how long its scheduling and launch took (the rest: reading)
-        self.eos_token_ids = set(self.hf_config.eos_token_id)
+        self.eos_token_ids = model_eos_ids(self.hf_config)  # the one EOS rule (atom.engine.eos)
         # Prompt blocks of finished prefill-role sequences, kept until pulled (atom.disagg).
         self.kv_holds = KVHoldRegistry(DEFAULT_KV_HOLD_S)
         self._seqs: dict[str, Sequence] = {}
@@ -128,9 +143,31 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (one rank: nothing to stop)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        if self._workers is not None:
+            self._workers.shutdown()
+
+    def rank_failure(self, timeout: float) -> str | None:
+        """Why a tensor-parallel rank died, if one did (one rank: never)."""
+        return self._workers.failure(timeout) if self._workers is not None else None
+
+    def facts(self) -> EngineFacts:
+        graphs: dict[str, Any] = {"effective_mode": "NONE"}
+        graph_runner = self.local_runner.graph_runner
+        if graph_runner is not None:
+            try:
+                stats = dict(graph_runner.stats())
+                graphs = {"effective_mode": stats.get("cudagraph_mode", "NONE"), "graphs": stats}
+            except Exception:  # introspection must never break /status
+                graphs = {}
+        pids = self._workers.tp_pids if self._workers is not None else [os.getpid()]
+        return EngineFacts(
+            max_model_len=self.config.max_model_len,
+            vocab_size=self.hf_config.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            config=self.config,
+            graphs=graphs,
+            tp_pids=pids,
+        )
 
     def _prefix_root(self) -> BlockHash:
         """Start of every block key: the model identity (as P/D compares it) and the dtype."""
@@ -138,8 +175,9 @@ class LLMEngine:
         identity = model_identity(cfg.model, cfg.load_format, cfg.seed, self.hf_config.to_dict())
         return root_hash(identity, str(cfg.dtype))
 
-    def _draft_runner(self, config: Any) -> ModelRunner | None:
+    def _draft_runner(self, config: Config) -> ModelRunner | None:
         spec = config.speculative_config
+        assert spec is not None
         if spec.method != SpecMethod.DRAFT_MODEL:
             return None
         from atom.spec_decode.draft_model import check_draft_model, draft_config
@@ -153,33 +191,9 @@ class LLMEngine:
         return ModelRunner(draft_config(config), draft_hf, is_draft=True)
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def warmup(self) -> dict:
+    def warmup(self) -> dict[str, Any]:
         """Compile (levels 2-3) and capture graphs; returns a summary for logs and /status."""
-        before = counters.snapshot()
-        t0 = time.perf_counter()
-        compile_s = self.runner.warmup_model()
-        capture_s, sizes = self.runner.capture_cudagraph()
-        draft_sizes: list[int] = []
-        if self.draft_runner is not None:
-            compile_s += self.draft_runner.warmup_model()
-            draft_s, draft_sizes = self.draft_runner.capture_cudagraph()
-            capture_s += draft_s
-        eager_s = warm_eager_paths(self)
-        cc = self.config.compilation_config
-        self.warmup_summary = {
-            "model": self.config.model,
-            "level": int(cc.level),
-            "cudagraph_mode": str(cc.cudagraph_mode) if cc.cudagraph_mode is not None else "NONE",
-            "warmup_seconds": round(time.perf_counter() - t0, 3),
-            "compile_seconds": round(compile_s, 3),
-            "capture_seconds": round(float(capture_s), 3),
-            "eager_warmup_seconds": round(eager_s, 3),
-            "captured_sizes": list(sizes),
-            "draft_captured_sizes": list(draft_sizes),
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "max_model_len": self.config.max_model_len,
-            "counters": counters.delta(before),
-        }
+        self.warmup_summary = warm_up(self)
         self.warmed_up = True
         return self.warmup_summary
 
@@ -195,7 +209,8 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               first_token: int, params: SamplingParams | None,
-                              kv_blocks: Any, first_logprob: float | None = None, *,
+                              kv_blocks: torch.Tensor | None,
+                              first_logprob: float | None = None, *,
                               cached_tokens: int = 0) -> None:
         """A sequence whose prompt ran elsewhere: `kv_blocks` holds the prompt's KV (host tensor
         [n, 2, layers, block, heads, dim], atom.disagg.kv_blocks) and `first_token` was sampled
@@ -232,7 +247,7 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams | None) -> Sequence:
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.hf_config.vocab_size)
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -434,7 +449,7 @@ class LLMEngine:
         for seq in seqs:
             if seq.kv_payload is not None:
                 n = seq.kv_payload.shape[0]
-                scatter_blocks(self.runner.kv_cache, seq.block_table[:n], seq.kv_payload)
+                scatter_blocks(self.local_runner.kv_cache, seq.block_table[:n], seq.kv_payload)
                 seq.kv_payload = None
 
     def reclaim_kv(self) -> int:
@@ -444,7 +459,7 @@ class LLMEngine:
             self.block_manager.release(blocks)
         return len(blocks)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -496,3 +511,7 @@ def _drop_pending(seq: Sequence, keep: int) -> None:
     del seq.token_ids[keep:]
     while seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
         seq.token_ids.pop()
+
+
+if TYPE_CHECKING:  # LLMEngine is the engine core's engine (checked by the type checker)
+    _: type[EngineAPI] = LLMEngine

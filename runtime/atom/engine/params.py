@@ -1,37 +1,88 @@
-"""Per-request sampling parameters and the per-step output (docs/architecture.md, Engine API)."""
+"""Per-request sampling parameters and the per-step output (docs/architecture.md, Engine API).
+
+`SamplingParams` is the one shape of a request's sampling settings from the API's request
+parser to the sampler: the parser builds it, it crosses to the engine core inside AddRequest
+(atom.entrypoints.core.messages) and the engine keeps it on the Sequence. Its `validate()` is
+the one rule set: the API answers its SamplingError with a 400 naming `field`, and the engine
+core refuses the same values with the same message.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import msgspec
 
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+# Below this a temperature divides the logits into inf/NaN (1e-45 is a float32 denormal): such
+# a request is greedy in all but name, so it runs greedy (issue 48).
+MIN_SAMPLED_TEMPERATURE = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-@dataclass
-class SamplingParams:
+
+class SamplingError(ValueError):
+    """A sampling value out of range; `field` names it (the 400's `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class SamplingParams(msgspec.Struct, array_like=True):
+    """array_like: it travels in every AddRequest, where field names would be most of it."""
+
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
 
-    def validate(self) -> None:
-        """ValueError naming the field; the server turns it into a 400."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+    def validate(self, vocab_size: int = 0) -> None:
+        """Check every field (SamplingError naming it) and normalise in place: a temperature
+        below MIN_SAMPLED_TEMPERATURE becomes 0 (greedy), and a top_k of at least vocab_size
+        (when known) becomes -1 (every token is a candidate: the same as disabled, as vLLM)."""
+        max_tokens = self.max_tokens
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise SamplingError("max_tokens", f"max_tokens must be at least 1, got {max_tokens!r}")
+        t = self.temperature
+        if not _is_number(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+            raise SamplingError(
+                "temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {t!r}"
+            )
+        if t < MIN_SAMPLED_TEMPERATURE:
+            self.temperature = 0.0
+        top_p = self.top_p
+        if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {top_p!r}")
+        top_k = self.top_k
+        if not _is_int(top_k) or top_k == 0 or top_k < -1:
+            raise SamplingError(
+                "top_k", f"top_k must be -1 (disabled) or at least 1, got {top_k!r}"
+            )
+        if top_k > INT64_MAX:
+            raise SamplingError("top_k", f"top_k must be below 2**63, got {top_k}")
+        if vocab_size and top_k >= vocab_size:
+            self.top_k = -1
+        seed = self.seed
+        if seed is not None and (not _is_int(seed) or not INT64_MIN <= seed <= INT64_MAX):
+            raise SamplingError(
+                "seed", f"seed must fit in a signed 64-bit integer [-2**63, 2**63), got {seed!r}"
+            )
+        bound = vocab_size or INT64_MAX + 1
+        bad = [i for i in self.stop_token_ids if not _is_int(i) or not 0 <= i < bound]
+        if bad:
+            raise SamplingError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {bound}), got {bad[:5]}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -10,87 +10,17 @@ handle's model identity, the prompt's tokens).
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from atom.disagg.handle import KVHandle
-from atom.disagg.layout import KVLayout
-from atom.entrypoints.core.messages import KVInfo
-from atom.entrypoints.errors import APIError
-from atom.entrypoints.generation import (
-    Outcome,
-    ends_at_first_token,
-    engine_params,
-    generate,
-    new_request_id,
-)
+from atom.entrypoints.generation import Outcome, ends_at_first_token, generate, new_request_id
 from atom.entrypoints.openai_format import OpenAIFormatter, dumps
 from atom.entrypoints.protocol import GenerationRequest
+from atom.entrypoints.state import ServerState
 from atom.wire import errors as codes
-
-if TYPE_CHECKING:
-    from atom.entrypoints.server import ServerState
-
-
-@dataclass
-class KVView:
-    """The API server's view of the core's KV side (from its EngineInfo)."""
-
-    layout: KVLayout | None
-    port: int | None
-    advertise_host: str | None
-    hold_seconds: float
-    max_held_fraction: float = 0.5
-
-    @classmethod
-    def from_info(cls, info: KVInfo) -> KVView:
-        layout = KVLayout.from_dict(info.layout) if info.layout else None
-        return cls(
-            layout, info.port, info.advertise_host, info.hold_seconds, info.max_held_fraction
-        )
-
-    @property
-    def serves(self) -> bool:
-        return self.port is not None
-
-    def make_handle(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        first_token: int,
-        logprob: float | None,
-        secret: str | None,
-    ) -> KVHandle:
-        """secret: the per-transfer secret the core made (its key never leaves the core)."""
-        assert self.layout is not None and self.port is not None
-        return KVHandle(
-            handle=request_id,
-            kv_host=self.advertise_host,
-            kv_port=self.port,
-            identity=self.layout.identity,
-            model=self.layout.model,
-            num_blocks=self.layout.blocks_for(len(prompt_ids)),
-            prompt_token_ids=list(prompt_ids),
-            first_token_id=first_token,
-            first_logprob=logprob,
-            expires_in=self.hold_seconds,
-            secret=secret or "",
-        )
-
-    def describe(self, stats: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "port": self.port,
-            "advertise_host": self.advertise_host,
-            "hold_seconds": self.hold_seconds,
-            "identity": self.layout.identity if self.layout else None,
-            "holds": int(stats.get("kv_holds", 0) or 0),
-            "blocks_held": int(stats.get("kv_blocks_held", 0) or 0),
-            "holds_expired": int(stats.get("kv_holds_expired", 0) or 0),
-            "max_held_fraction": self.max_held_fraction,
-            "hold_cap_refused": int(stats.get("kv_hold_cap_refused", 0) or 0),
-        }
+from atom.wire.api_error import APIError
 
 
 def release_quietly(state: ServerState, kv: Any) -> None:
@@ -113,7 +43,7 @@ async def serve_prefill(
             param="kv_transfer",
             code=codes.KV_NOT_ENABLED,
         )
-    req.max_tokens, req.stream = 1, False
+    req.params.max_tokens, req.stream = 1, False
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     assert state.tokenizer is not None
     gen = generate(
@@ -171,7 +101,7 @@ def decode_options(state: ServerState, req: GenerationRequest, kv: Any) -> dict[
         "first_logprob": handle.first_logprob,
         "cached_tokens": handle.cached_tokens,
     }
-    if ends_at_first_token(engine_params(req, state.tokenizer), handle.first_token_id):
+    if ends_at_first_token(req.params, handle.first_token_id, state.eos_token_ids):
         state.engine.release_kv(handle)  # nothing left to decode: the blocks are not needed
     else:
         opts["kv_pull"] = handle

@@ -13,14 +13,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from atom.entrypoints.core.client import CoreClient, EngineDead, RequestRefused
-from atom.entrypoints.core.messages import Sampling
-from atom.entrypoints.errors import APIError
+from atom.engine.params import SamplingParams
+from atom.entrypoints.core.client import CoreClient, EngineDead, RequestRefused, RequestStream
 from atom.entrypoints.metrics import ServerMetrics
 from atom.entrypoints.protocol import GenerationRequest
 from atom.tokenizer import BaseTokenizer, IncrementalDetokenizer, StopStringChecker
-from atom.wire.errors import ENGINE_UNAVAILABLE
+from atom.wire.api_error import APIError
+from atom.wire.errors import ENGINE_UNAVAILABLE, INVALID_REQUEST
 
 
 @dataclass(slots=True)
@@ -47,40 +48,30 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def ends_at_first_token(params: Sampling, first_token: int) -> bool:
-    """Whether the engine will finish a request at its first token (a subset of its stop rule:
-    when unsure, False, and the blocks are pulled anyway)."""
-    return params.max_tokens <= 1 or first_token in params.stop_token_ids
-
-
-def engine_params(req: GenerationRequest, tokenizer: BaseTokenizer) -> Sampling:
-    """SamplingParams fields; the tokenizer's EOS ids stop generation unless ignore_eos."""
-    stop_ids = list(req.stop_token_ids)
-    if not req.ignore_eos:
-        stop_ids += [i for i in tokenizer.eos_token_ids if i not in stop_ids]
-    return Sampling(
-        temperature=float(req.temperature),
-        top_k=req.top_k,
-        top_p=float(req.top_p),
-        seed=req.seed,
-        max_tokens=req.max_tokens,
-        stop_token_ids=stop_ids,
-        ignore_eos=req.ignore_eos,
-        logprobs=bool(req.logprobs),
+def ends_at_first_token(
+    params: SamplingParams, first_token: int, eos_token_ids: frozenset[int]
+) -> bool:
+    """Whether the engine will finish a request at its first token (a subset of its stop rule,
+    LLMEngine._stop_reason: when unsure, False, and the blocks are pulled anyway).
+    eos_token_ids: the engine's (EngineInfo), empty until it is ready."""
+    return (
+        params.max_tokens <= 1
+        or first_token in params.stop_token_ids
+        or (not params.ignore_eos and first_token in eos_token_ids)
     )
 
 
 def submit(
-    engine: CoreClient, req: GenerationRequest, request_id: str, params: Sampling, **opts: object
-):
+    engine: CoreClient, req: GenerationRequest, request_id: str, **opts: Any
+) -> RequestStream:
     """engine.add_request, with the failures a client can see as APIErrors."""
     try:
-        return engine.add_request(request_id, req.prompt_ids, params, **opts)  # type: ignore[arg-type]
+        return engine.add_request(request_id, req.prompt_ids, req.params, **opts)
     except EngineDead as exc:
         raise APIError(503, str(exc), code=ENGINE_UNAVAILABLE) from None
     except (OverflowError, TypeError, ValueError) as exc:  # not representable on the wire
         raise APIError(
-            400, f"a request value is out of range: {exc}", code="invalid_request"
+            400, f"a request value is out of range: {exc}", code=INVALID_REQUEST
         ) from None
 
 
@@ -91,12 +82,11 @@ async def generate(
     req: GenerationRequest,
     request_id: str,
     outcome: Outcome,
-    **opts: object,
+    **opts: Any,
 ) -> AsyncIterator[Delta]:
     """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
-    for P/D roles."""
-    params = engine_params(req, tokenizer)
-    stream = submit(engine, req, request_id, params, **opts)
+    for P/D roles. The tokenizer's EOS ids play no part here: the engine applies its own."""
+    stream = submit(engine, req, request_id, **opts)
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringChecker(req.stop)
     metrics.prompt_tokens.inc(len(req.prompt_ids))

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from atom.config import Config
+    from atom.engine.api import EngineAPI
 
 
 def cache_key(local_cache_dir: str) -> str | None:
@@ -16,25 +20,23 @@ def cache_key(local_cache_dir: str) -> str | None:
     )
 
 
-def config_info(config: Any) -> dict[str, Any]:
+def config_info(config: Config) -> dict[str, Any]:
     """Level, graph mode, buckets, cache location: read live, since compilation fills the cache dir."""
     cc = config.compilation_config
-    local = getattr(cc, "local_cache_dir", "") or ""
+    local = cc.local_cache_dir
     return {
         "level": int(cc.level),
         "mode": str(cc.cudagraph_mode) if cc.cudagraph_mode is not None else "NONE",
         "buckets": list(config.capture_sizes or []),
         "enforce_eager": bool(config.enforce_eager),
-        "async_scheduling": bool(getattr(config, "async_scheduling", True)),
-        "enable_prefix_caching": bool(getattr(config, "enable_prefix_caching", True)),
+        "async_scheduling": config.async_scheduling,
+        "enable_prefix_caching": config.enable_prefix_caching,
         "device": config.device,
         "dtype": config.dtype,
         "max_num_seqs": config.max_num_seqs,
         "cache_dir": local or cc.cache_dir,
         "cache_key": cache_key(local),
-        "speculative_config": spec.to_dict()
-        if (spec := getattr(config, "speculative_config", None))
-        else None,
+        "speculative_config": spec.to_dict() if (spec := config.speculative_config) else None,
     }
 
 
@@ -55,19 +57,16 @@ def prefix_cache_info(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def graph_info(engine: Any) -> dict[str, Any]:
-    """What the graph runner really does (CPU resolves every mode to NONE), if the engine has one."""
-    runner = getattr(getattr(engine, "runner", None), "graph_runner", None)
-    if runner is None or not hasattr(runner, "stats"):
-        return {"effective_mode": "NONE"}
-    try:
-        stats = dict(runner.stats())
-    except Exception:  # introspection must never break /status
-        return {}
-    return {"effective_mode": stats.get("cudagraph_mode", "NONE"), "graphs": stats}
+def graph_info(engine: EngineAPI) -> dict[str, Any]:
+    """What the graph runner really does (CPU resolves every mode to NONE)."""
+    return dict(engine.facts().graphs)
 
 
-def parallel_info(engine: Any) -> dict[str, Any]:
+def parallel_info(engine: EngineAPI) -> dict[str, Any]:
     """/status: the tensor-parallel size and every rank's pid (rank 0 first: the core)."""
-    pids = getattr(getattr(engine, "runner", None), "tp_pids", None) or [os.getpid()]
+    return tp_info(engine.facts().tp_pids)
+
+
+def tp_info(pids: list[int]) -> dict[str, Any]:
+    pids = pids or [os.getpid()]
     return {"tensor_parallel_size": len(pids), "tp_pids": list(pids)}

@@ -10,6 +10,7 @@ and the core stops last.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import logging
@@ -18,16 +19,56 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
 
+from atom.config import Config
 from atom.entrypoints.core.engine_core import CoreEndpoints
 from atom.entrypoints.core.process import KVSettings, remove_endpoints
 from atom.wire.kv_modes import DEFAULT_KV_PORT
 
+if TYPE_CHECKING:
+    from atom.entrypoints.core.client import CoreClient
+    from atom.entrypoints.state import ServerState
+
 logger = logging.getLogger(__name__)
 
 
-def kv_settings(args: Any) -> KVSettings:
+@dataclass(frozen=True)
+class ServeSettings:
+    """The API servers' settings, read once from the `serve` flags (atom.cli.args); pickled to
+    the extra API servers. The engine's own settings are the Config."""
+
+    host: str
+    port: int
+    log_level: str
+    max_waiting: int
+    api_key: str | None  # --api-key, else $ATOM_API_KEY
+    body_timeout: float
+    liveness_timeout: float
+    keepalive_timeout: float
+    drain_seconds: float
+    api_server_count: int
+    kv: KVSettings
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeSettings:
+        return cls(
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            max_waiting=args.max_waiting,
+            api_key=args.api_key or os.environ.get("ATOM_API_KEY") or None,
+            body_timeout=args.body_timeout,
+            liveness_timeout=args.liveness_timeout,
+            keepalive_timeout=args.keepalive_timeout,
+            drain_seconds=args.drain_seconds,
+            api_server_count=args.api_server_count,
+            kv=kv_settings(args),
+        )
+
+
+def kv_settings(args: argparse.Namespace) -> KVSettings:
     """The instance's KV transfer side: a prefill serves its blocks (on 8001 unless told)."""
     port = args.kv_port
     if port is None and args.role == "prefill":
@@ -43,9 +84,9 @@ def kv_settings(args: Any) -> KVSettings:
     )
 
 
-def _state(args: Any, config: Any, engine: Any, index: int) -> Any:
+def _state(settings: ServeSettings, config: Config, engine: CoreClient, index: int) -> ServerState:
     """The API server's state, with the tokenizer it loads itself (no engine needed)."""
-    from atom.entrypoints.server import ServerState
+    from atom.entrypoints.state import ServerState
     from atom.models.registry import load_model_config
     from atom.tokenizer import load_tokenizer
 
@@ -55,14 +96,14 @@ def _state(args: Any, config: Any, engine: Any, index: int) -> Any:
         engine=engine,
         served_model_name=config.served_model_name or config.model,
         model=config.model,
-        max_waiting=args.max_waiting,
+        max_waiting=settings.max_waiting,
         role=config.role,
         config=config,
-        api_key=args.api_key or os.environ.get("ATOM_API_KEY") or None,
-        body_timeout=args.body_timeout,
-        liveness_timeout=args.liveness_timeout,
+        api_key=settings.api_key,
+        body_timeout=settings.body_timeout,
+        liveness_timeout=settings.liveness_timeout,
         api_server_index=index,
-        api_server_count=args.api_server_count,
+        api_server_count=settings.api_server_count,
     )
     state.tokenizer = load_tokenizer(
         config.model, model_cfg.vocab_size, bos, model_cfg.eos_token_id
@@ -71,11 +112,11 @@ def _state(args: Any, config: Any, engine: Any, index: int) -> Any:
     return state
 
 
-def _serve_kwargs(args: Any) -> dict[str, Any]:
+def _serve_kwargs(settings: ServeSettings) -> dict[str, Any]:
     return {
-        "grace_s": args.drain_seconds,
-        "reuse_port": args.api_server_count > 1,
-        "keepalive_timeout": args.keepalive_timeout,
+        "grace_s": settings.drain_seconds,
+        "reuse_port": settings.api_server_count > 1,
+        "keepalive_timeout": settings.keepalive_timeout,
     }
 
 
@@ -93,21 +134,22 @@ def _tune_process() -> None:
         pass
 
 
-def run_serve(args: Any, config: Any) -> int:
+def run_serve(args: argparse.Namespace, config: Config) -> int:
     from atom.entrypoints.api_server import serve
     from atom.entrypoints.core.client import ProcessCore
     from atom.entrypoints.core.process import CoreSpec, new_endpoints
 
-    if args.api_server_count > 1 and args.port == 0:
+    settings = ServeSettings.from_args(args)
+    if settings.api_server_count > 1 and settings.port == 0:
         raise ValueError("--api-server-count > 1 needs a fixed --port (the servers share it)")
-    endpoints = new_endpoints(args.api_server_count)
-    spec = CoreSpec(config, endpoints, kv_settings(args), os.getpid(), args.log_level)
-    workers = ApiWorkers(args, config, endpoints)
+    endpoints = new_endpoints(settings.api_server_count)
+    spec = CoreSpec(config, endpoints, settings.kv, os.getpid(), settings.log_level)
+    workers = ApiWorkers(settings, config, endpoints)
     _tune_process()
 
     async def main() -> int:
         engine = ProcessCore(spec)
-        state = _state(args, config, engine, 0)
+        state = _state(settings, config, engine, 0)
         fail = asyncio.Event()
 
         def started() -> None:
@@ -115,13 +157,13 @@ def run_serve(args: Any, config: Any) -> int:
 
         return await serve(
             state,
-            args.host,
-            args.port,
+            settings.host,
+            settings.port,
             on_started=started,
             on_stopping=workers.stop,
             on_drained=workers.wait,
             fail=fail,
-            **_serve_kwargs(args),
+            **_serve_kwargs(settings),
         )
 
     try:
@@ -133,8 +175,8 @@ def run_serve(args: Any, config: Any) -> int:
 
 @dataclass
 class WorkerSpec:
-    args: Any
-    config: Any
+    settings: ServeSettings
+    config: Config
     endpoints: CoreEndpoints
     index: int
     core_pid: int
@@ -145,11 +187,11 @@ def worker_main(spec: WorkerSpec) -> None:
     """An extra API server process (index >= 1)."""
     from atom.entrypoints.api_server import serve
     from atom.entrypoints.core.client import AttachedCore
-    from atom.entrypoints.core.process import die_with_parent
+    from atom.executor.lifetime import die_with_parent
 
     die_with_parent(spec.parent_pid)
     logging.basicConfig(
-        level=getattr(logging, spec.args.log_level.upper(), logging.INFO),
+        level=getattr(logging, spec.settings.log_level.upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s api{spec.index} %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -157,8 +199,9 @@ def worker_main(spec: WorkerSpec) -> None:
 
     async def main() -> int:
         engine = AttachedCore(spec.endpoints, spec.index, spec.core_pid, spec.parent_pid)
-        state = _state(spec.args, spec.config, engine, spec.index)
-        return await serve(state, spec.args.host, spec.args.port, **_serve_kwargs(spec.args))
+        settings = spec.settings
+        state = _state(settings, spec.config, engine, spec.index)
+        return await serve(state, settings.host, settings.port, **_serve_kwargs(settings))
 
     sys.exit(asyncio.run(main()))
 
@@ -166,16 +209,16 @@ def worker_main(spec: WorkerSpec) -> None:
 class ApiWorkers:
     """The extra API server processes, seen from the first."""
 
-    def __init__(self, args: Any, config: Any, endpoints: CoreEndpoints) -> None:
-        self.args, self.config, self.endpoints = args, config, endpoints
-        self.procs: list[Any] = []
+    def __init__(self, settings: ServeSettings, config: Config, endpoints: CoreEndpoints) -> None:
+        self.settings, self.config, self.endpoints = settings, config, endpoints
+        self.procs: list[BaseProcess] = []
         self._watch: asyncio.Task | None = None
         self._draining = False
 
     def start(self, core_pid: int, fail: asyncio.Event) -> None:
         ctx = multiprocessing.get_context("spawn")
-        for i in range(1, self.args.api_server_count):
-            spec = WorkerSpec(self.args, self.config, self.endpoints, i, core_pid, os.getpid())
+        for i in range(1, self.settings.api_server_count):
+            spec = WorkerSpec(self.settings, self.config, self.endpoints, i, core_pid, os.getpid())
             p = ctx.Process(target=worker_main, args=(spec,), name=f"atom-api-{i}")
             p.start()
             self.procs.append(p)

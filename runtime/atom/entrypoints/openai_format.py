@@ -76,7 +76,7 @@ class OpenAIFormatter:
     def _logprobs(
         self, ids: list[int], lps: list[float] | None, offset: int = 0
     ) -> dict[str, Any] | None:
-        if not self.req.logprobs:
+        if not self.req.params.logprobs:
             return None
         lps = lps if lps is not None else [0.0] * len(ids)
         tokens = token_pieces(self.tok, ids)

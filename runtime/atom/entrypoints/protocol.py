@@ -1,12 +1,13 @@
 """Request bodies of /v1/completions and /v1/chat/completions, validated into one internal shape.
 
 Validation is pydantic with strict scalar types (a string where a number belongs is refused, not
-coerced); every failure becomes an APIError naming the offending field as `param`. Fields of the
+coerced); every failure becomes an APIError naming the offending field as `param`. The sampling
+fields become one SamplingParams, checked by its own validate() (atom.engine.params): the rules
+the engine core applies too. Fields of the
 OpenAI API that the engine cannot honour (n > 1, echo, penalties, top alternatives, tools,
 response_format, logit_bias, best_of) are refused with a 400 naming the field rather than
 silently ignored; unknown extra fields are ignored, as OpenAI does. Every number is bounded to
-what the engine can represent (seed: int64, as torch.Generator takes; top_k: clamped to the
-vocabulary, as vLLM does), and sizes (prompt tokens, messages, stop lists) are checked on the
+what the engine can represent (SamplingParams.validate), and sizes (prompt tokens, messages, stop lists) are checked on the
 raw body before anything costs time.
 """
 
@@ -27,8 +28,9 @@ from pydantic import (
     ValidationError,
 )
 
+from atom.engine.params import SamplingError, SamplingParams
 from atom.engine.token_check import all_in_vocab
-from atom.entrypoints.errors import APIError, bad_request
+from atom.wire.api_error import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -37,7 +39,6 @@ MAX_MESSAGES = 2048
 # No tokenizer we load has a token longer than this many characters, so a text longer than
 # max_model_len * this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 256
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _is_default(value: Any, *defaults: Any) -> bool:
@@ -133,15 +134,8 @@ class GenerationRequest:
 
     model: str
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: bool
+    params: SamplingParams  # validated; what the engine core gets
+    stop: list[str]  # stop strings: matched on the detokenized text, in the API server
     stream: bool
     include_usage: bool
     extra: dict[str, Any] = field(default_factory=dict)
@@ -253,45 +247,29 @@ def _unsupported(body: _Common) -> None:
             raise bad_request(f"{name} is not supported (only 0)", param=name)
 
 
-def _sampling(body: _Common, vocab_size: int = 0) -> dict[str, Any]:
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
-    if not 0.0 <= temperature <= 2.0:
-        raise bad_request(
-            f"temperature must be between 0 and 2, got {temperature}", param="temperature"
-        )
-    top_p = 1.0 if body.top_p is None else float(body.top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = -1 if body.top_k is None else body.top_k
-    if top_k == 0 or top_k < -1:
-        raise bad_request(f"top_k must be -1 (disabled) or at least 1, got {top_k}", param="top_k")
-    if top_k > INT64_MAX:
-        raise bad_request(f"top_k must be below 2**63, got {top_k}", param="top_k")
-    if vocab_size and top_k >= vocab_size:  # every token is a candidate: same as disabled (vLLM)
-        top_k = -1
-    if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX:
-        raise bad_request(
-            f"seed must fit in a signed 64-bit integer [-2**63, 2**63), got {body.seed}",
-            param="seed",
-        )
-    stop_ids = list(body.stop_token_ids or [])
-    bound = vocab_size or INT64_MAX + 1
-    bad = [i for i in stop_ids if not 0 <= i < bound]
-    if bad:
-        raise bad_request(
-            f"stop_token_ids must be in [0, {bound}), got {bad[:5]}", param="stop_token_ids"
-        )
+def _sampling(body: _Common, logprobs: bool, vocab_size: int = 0) -> SamplingParams:
+    """The body's sampling fields, validated (max_tokens: resolve_max_tokens, after this)."""
+    params = SamplingParams(
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_k=-1 if body.top_k is None else body.top_k,
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=body.seed,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        params.validate(vocab_size)
+    except SamplingError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+    return params
+
+
+def _stop_strings(body: _Common) -> list[str]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
-    return {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": body.seed,
-        "stop": [s for s in stop if s],
-        "stop_token_ids": stop_ids,
-    }
+    return [s for s in stop if s]
 
 
 def resolve_max_tokens(
@@ -412,17 +390,16 @@ def _build(
     logprobs: bool,
     vocab_size: int = 0,
 ) -> GenerationRequest:
-    sampling = _sampling(req, vocab_size)
-    max_tokens = resolve_max_tokens(
+    params = _sampling(req, logprobs, vocab_size)
+    stop = _stop_strings(req)
+    params.max_tokens = resolve_max_tokens(
         req.max_tokens, default_max, len(prompt_ids), max_model_len, "max_tokens", prompt_param
     )
     return GenerationRequest(
         model=req.model,
         prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
+        params=params,
+        stop=stop,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        **sampling,
     )

@@ -11,31 +11,22 @@ import asyncio
 import hmac
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from atom.entrypoints.core.client import CoreClient
-from atom.entrypoints.core.messages import EngineInfo
-from atom.entrypoints.disagg_routes import (
-    KVView,
-    decode_options,
-    release_quietly,
-    serve_prefill,
-)
-from atom.entrypoints.errors import APIError
+from atom.entrypoints.disagg_routes import decode_options, release_quietly, serve_prefill
 from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
 from atom.entrypoints.info import prefix_cache_info
 from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
-from atom.entrypoints.metrics import CONTENT_TYPE, ServerMetrics, captured_buckets
+from atom.entrypoints.metrics import CONTENT_TYPE, captured_buckets
 from atom.entrypoints.openai_format import DONE, OpenAIFormatter, dumps, sse
 from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
-from atom.tokenizer import BaseTokenizer
+from atom.entrypoints.state import ServerState
 from atom.wire import errors as codes
+from atom.wire.api_error import APIError
 from atom.wire.body import parse_object, read_body
 from atom.wire.kv_modes import KVMode, parse_mode
 from atom.wire.middleware import json_errors
@@ -45,48 +36,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PID_HEADER = "X-Atom-Api-Pid"  # which API server process answered (--api-server-count)
-
-
-@dataclass
-class ServerState:
-    engine: CoreClient
-    served_model_name: str
-    model: str
-    max_waiting: int = 1024
-    role: str = "unified"
-    config: Any = None  # the resolved atom.config.Config, for /status
-    tokenizer: BaseTokenizer | None = None  # loaded by the API server itself
-    max_model_len: int = 0
-    vocab_size: int = 0
-    draining: bool = False
-    api_key: str | None = None  # --api-key / ATOM_API_KEY: /v1/* need "Bearer <key>"
-    body_timeout: float = 30.0
-    liveness_timeout: float = 60.0
-    api_server_index: int = 0
-    api_server_count: int = 1
-    started: float = field(default_factory=time.time)
-    kv: KVView | None = None  # the core's KV side (prefill serves, decode pulls), once ready
-    metrics: ServerMetrics = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(
-            stats=lambda: self.engine.last_stats,
-            counters=lambda: {},  # the counters live in the core; they come in its stats
-            warmup=lambda: self.engine.warmup_summary,
-        )
-        self.engine.on_ready.append(self._engine_ready)
-
-    def _engine_ready(self, info: EngineInfo) -> None:
-        if info.max_model_len:
-            self.max_model_len = info.max_model_len
-        if info.vocab_size and not self.vocab_size:
-            self.vocab_size = info.vocab_size
-        if info.kv is not None:
-            self.kv = KVView.from_info(info.kv)
-
-    @property
-    def ready(self) -> bool:
-        return self.engine.is_ready and self.tokenizer is not None
+__all__ = ["STATE_KEY", "ServerState", "create_app"]  # ServerState's home: atom.entrypoints.state
 
 
 STATE_KEY = web.AppKey("atom_state", ServerState)
@@ -364,7 +314,7 @@ async def _serve(
                 await resp.write(sse(fmt.chunk(Delta(text=""), role=True)))
             delta: Delta | None = first
             last = first
-            logprobs = bool(req.logprobs)
+            logprobs = req.params.logprobs
             while delta is not None:
                 last = delta
                 if delta.text or delta.finish_reason or (logprobs and delta.token_ids):

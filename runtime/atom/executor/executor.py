@@ -1,7 +1,7 @@
 """The rank-0 side: the seam between the engine and its model runner(s).
 
-`ModelExecutor` is what the engine calls on its runner for the calls every rank must make in
-lock-step. One rank: the engine holds a plain ModelRunner (it is the single-process executor;
+`ModelExecutor` (atom.executor.protocol, re-exported here) is what the engine calls on its
+runner for the calls every rank must make in lock-step. One rank: the engine holds a plain ModelRunner (it is the single-process executor;
 no extra process, no message per step). N ranks: `MultiprocExecutor` spawns ranks 1..N-1,
 joins the group, builds rank 0's own runner, and before each such call sends the workers the
 same command (one encoded ExecuteStep per step, into a reused buffer), then runs it locally.
@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import msgspec
 import torch
@@ -31,6 +31,7 @@ from atom.engine.batch import StepBatch
 from atom.engine.model_runner import ModelRunner
 from atom.executor import messages as m
 from atom.executor.checks import check_tensor_parallel
+from atom.executor.protocol import ModelExecutor
 from atom.executor.ranks import GroupSpec, WorkerGroup
 from atom.executor.sync import (
     broadcast_from_rank0,
@@ -40,27 +41,10 @@ from atom.executor.sync import (
 )
 
 logger = logging.getLogger(__name__)
+__all__ = ["ModelExecutor", "MultiprocExecutor", "exit_now", "local_init_method"]
 
 CHECK_STEPS_ENV = "ATOM_TP_CHECK_STEPS"  # "1": every step's logits compared across ranks
 TIMEOUT_ENV = "ATOM_TP_COLLECTIVE_TIMEOUT_S"  # after warm-up (default DEFAULT_TIMEOUT_S)
-
-
-@runtime_checkable
-class ModelExecutor(Protocol):
-    """The engine's runner calls that every rank runs (ModelRunner is the one-rank one)."""
-
-    device: torch.device
-
-    def determine_num_blocks(self) -> int: ...
-
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
-
-    def warmup_model(self) -> float: ...
-
-    def capture_cudagraph(self) -> tuple[float, list[int]]: ...
-
-    def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
-                      spec: Any = None) -> tuple[torch.Tensor, list[int]]: ...
 
 
 def exit_now(reason: str) -> None:
@@ -115,6 +99,10 @@ class MultiprocExecutor:
         if name in ("local", "group"):  # not set yet (half-built): no recursion
             raise AttributeError(name)
         return getattr(self.local, name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
 
     @property
     def tp_pids(self) -> list[int]:

@@ -16,12 +16,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atom.disagg.handle import KVHandle
+from atom.engine.api import EngineAPI
+from atom.engine.params import SamplingParams
 from atom.entrypoints.core import messages as msgs
 from atom.entrypoints.core.channel import AsyncOutbox, serve_inbox
 from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
+
+if TYPE_CHECKING:
+    from atom.entrypoints.core.process import KVSettings
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +258,7 @@ class CoreClient:
         self,
         request_id: str,
         prompt_ids: list[int],
-        sampling: msgs.Sampling,
+        sampling: SamplingParams,
         *,
         hold_kv: bool = False,
         first_token: int | None = None,
@@ -461,23 +466,18 @@ class ThreadCore(CoreClient):
     """The engine core in a thread of this process (tests, tools), over sockets in a private
     directory."""
 
-    def __init__(
-        self, build: Callable[[], Any], params_cls: type | None = None, kv: Any = None
-    ) -> None:
-        """kv: atom.entrypoints.core.process.KVSettings, or None."""
+    def __init__(self, build: Callable[[], EngineAPI], kv: KVSettings | None = None) -> None:
         from atom.entrypoints.core.process import new_endpoints
 
         super().__init__(new_endpoints(1), 0)
-        self._build, self._params_cls, self._kv = build, params_cls, kv
+        self._build, self._kv = build, kv
         self._thread: threading.Thread | None = None
         self.core: EngineCore | None = None
         self._code: int | None = None
 
     def _launch(self) -> None:
         bound = threading.Event()  # the core binds its input before we connect
-        self.core = EngineCore(
-            self._build, self.endpoints, params_cls=self._params_cls, bound=bound
-        )
+        self.core = EngineCore(self._build, self.endpoints, bound=bound)
         if self._kv is not None:
             from atom.entrypoints.core.kv import CoreKV
 
@@ -498,7 +498,7 @@ class ThreadCore(CoreClient):
         self.core_pid = os.getpid()
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineAPI | None:
         return self.core.engine if self.core is not None else None
 
     def core_exit(self) -> str | None:

@@ -18,9 +18,13 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from atom.disagg.holds import HoldCapExceeded
+import msgspec
+
+from atom.disagg.holds import HoldCapExceeded, Reservation
+from atom.engine.api import EngineAPI
+from atom.engine.params import RequestOutput, SamplingParams
 from atom.entrypoints.core.channel import Inbox, Outbox, send_now
 from atom.entrypoints.core.messages import (
     AbortRequests,
@@ -35,7 +39,6 @@ from atom.entrypoints.core.messages import (
     ReleaseKV,
     ReqOut,
     RequestFailed,
-    Sampling,
     Scrape,
     Shutdown,
     Stats,
@@ -45,6 +48,12 @@ from atom.entrypoints.core.messages import (
 )
 from atom.entrypoints.core.step_trace import StepTrace
 from atom.wire.errors import INVALID_REQUEST, KV_HOLD_CAP, kv_status
+
+if TYPE_CHECKING:  # torch: the core's KV side is imported only where it runs
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from atom.entrypoints.core.kv import CoreKV
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +75,33 @@ class CoreEndpoints:
 
 @dataclass
 class EngineCore:
-    build: Callable[[], Any]  # -> LLMEngine (or anything with its API)
+    build: Callable[[], EngineAPI]  # LLMEngine, or a test's scripted engine
     endpoints: CoreEndpoints
-    kv: Any = None  # atom.entrypoints.core.kv.CoreKV, or None
-    params_cls: type | None = None
+    kv: CoreKV | None = None
     parent_pid: int | None = None  # exit when this process is gone (the API server died)
     bound: threading.Event | None = None  # set once the input socket is bound
-    engine: Any = None
+    engine: EngineAPI | None = None  # set once built
     state: str = "starting"
     reason: str = "engine is starting"
     steps: int = 0
     info: EngineInfo | None = None
     _owner: dict[str, int] = field(default_factory=dict)  # request id -> API server index
     # prefill-role requests still running: their room under --max-held-kv-fraction
-    _reserved: dict[str, Any] = field(default_factory=dict)  # -> atom.disagg.holds.Reservation
-    _registry: Any = None
+    _reserved: dict[str, Reservation] = field(default_factory=dict)
+    _registry: CollectorRegistry | None = None
     _stats_due: bool = False  # send Stats at the end of this turn
+    # The sockets and codecs, made by _open() in the thread that runs the loop.
+    _in: Inbox = field(init=False, repr=False)
+    _outs: list[Outbox] = field(init=False, repr=False)
+    _enc: msgspec.msgpack.Encoder = field(init=False, repr=False)
+    _dec: msgspec.msgpack.Decoder = field(init=False, repr=False)
+
+    @property
+    def _engine(self) -> EngineAPI:
+        """The built engine (the loop and the input handlers run only after the build)."""
+        if self.engine is None:
+            raise RuntimeError("the engine is not built yet")
+        return self.engine
 
     # ---- sockets --------------------------------------------------------------------------
     def _open(self) -> None:
@@ -122,10 +142,9 @@ class EngineCore:
         finally:
             if self.kv is not None:
                 self.kv.close()
-            stop = getattr(self.engine, "shutdown", None)
-            if callable(stop):  # the tensor-parallel workers
+            if self.engine is not None:  # the tensor-parallel workers
                 try:
-                    stop()
+                    self.engine.shutdown()
                 except Exception:
                     logger.warning("stopping the tensor-parallel workers failed", exc_info=True)
             for out in self._outs:
@@ -144,19 +163,15 @@ class EngineCore:
             kv_port = None
             if self.kv is not None:
                 kv_port = self.kv.start(
-                    self._registry, lambda: getattr(self.engine, "kv_holds", None)
+                    self._registry, lambda: self.engine.kv_holds if self.engine is not None else None
                 )
                 if kv_port is not None:
                     print(f"ATOM KV server listening on port {kv_port}", flush=True)
-            self.engine = self.build()
-            if self.params_cls is None:
-                from atom.engine import SamplingParams
-
-                self.params_cls = SamplingParams
+            engine = self.engine = self.build()
             if self.kv is not None:
-                self.kv.attach(self.engine)
+                self.kv.attach(engine)
             self._set_state("warming", "warming up: compiling and capturing CUDA graphs")
-            warmup = dict(self.engine.warmup() or {})
+            warmup = dict(engine.warmup())
             self.info = self._engine_info(warmup)
             # The model, compiled graphs and caches live for the whole process: keep the
             # cyclic collector from walking them again and again between steps.
@@ -188,8 +203,7 @@ class EngineCore:
     def _rank_failure(self) -> str | None:
         """Why a tensor-parallel rank died, if one did (its watcher may be a moment behind
         the collective that failed on rank 0)."""
-        failure = getattr(getattr(self.engine, "runner", None), "failure", None)
-        return failure(RANK_VERDICT_S) if callable(failure) else None
+        return self.engine.rank_failure(RANK_VERDICT_S) if self.engine is not None else None
 
     def fatal(self, reason: str) -> None:
         """A tensor-parallel rank died (called from the executor's watcher thread): tell every
@@ -202,18 +216,18 @@ class EngineCore:
         os._exit(1)
 
     def _engine_info(self, warmup: dict[str, Any]) -> EngineInfo:
-        from atom.entrypoints.info import config_info, graph_info, parallel_info
+        from atom.entrypoints.info import config_info, tp_info
 
-        config = getattr(self.engine, "config", None)
-        hf = getattr(self.engine, "hf_config", None)
+        facts = self._engine.facts()
         return EngineInfo(
-            max_model_len=int(getattr(config, "max_model_len", 0) or 0),
-            vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
-            config=_jsonable({**config_info(config), **parallel_info(self.engine)})
-            if config is not None else {},
-            graphs=_jsonable(graph_info(self.engine)),
+            max_model_len=facts.max_model_len,
+            vocab_size=facts.vocab_size,
+            config=_jsonable({**config_info(facts.config), **tp_info(facts.tp_pids)})
+            if facts.config is not None else {},
+            graphs=_jsonable(facts.graphs),
             warmup=_jsonable(warmup),
             kv=self.kv.info() if self.kv is not None else None,
+            eos_token_ids=list(facts.eos_token_ids),
         )
 
     def _loop(self) -> int:
@@ -225,8 +239,7 @@ class EngineCore:
                 trace.flush()
 
     def _turns(self, trace: StepTrace | None) -> int:
-        engine = self.engine
-        reclaim = getattr(engine, "reclaim_kv", None)
+        engine = self._engine
         last_stats = 0.0
         last_parent_check = time.monotonic()
         clock = time.perf_counter
@@ -250,8 +263,8 @@ class EngineCore:
                     self._route(outs)
                 if trace is not None:
                     trace.record(t0, t1, clock(), engine, len(outs))
-            elif reclaim is not None:
-                reclaim()  # held KV blocks that were pulled or timed out, while idle too
+            else:
+                engine.reclaim_kv()  # held KV blocks that were pulled or timed out, while idle too
             # Also at once when work just ended or was refused: /status then shows what it left.
             due = self._stats_due or (busy and not engine.has_unfinished_requests())
             if due or now - last_stats >= (BUSY_STATS_S if busy else HEARTBEAT_S):
@@ -263,7 +276,7 @@ class EngineCore:
                     logger.error("the API server (pid %d) is gone: exiting", self.parent_pid)
                     return 1
 
-    def _route(self, outs: list[Any]) -> None:
+    def _route(self, outs: list[RequestOutput]) -> None:
         """One StepOutputs per API server that has a request in this step."""
         owner = self._owner
         # No prefill-role reservation to settle: the plain conversion (one call less a row).
@@ -284,25 +297,27 @@ class EngineCore:
         for client, batch in per.items():
             self._send(client, StepOutputs(batch, self.steps))
 
-    def _req_out(self, o: Any) -> ReqOut:
+    def _req_out(self, o: RequestOutput) -> ReqOut:
         out = _req_out(o)
         if o.finished and self._reserved:
             reservation = self._reserved.pop(o.request_id, None)
             if reservation is not None:  # its hold is registered now (or it ended without one)
                 reservation.__exit__(None, None, None)
+                assert self.kv is not None  # only the KV side reserves
                 out.kv_secret = self.kv.service.keys.secret_for(o.request_id)
         return out
 
     def _stats(self) -> dict[str, Any]:
+        engine = self._engine
         try:
-            stats = dict(self.engine.stats())
+            stats = dict(engine.stats())
         except Exception:  # stats are best effort; never kill the loop for them
             logger.debug("engine.stats() failed", exc_info=True)
             return {}
         from atom.utils.counters import counters
 
         stats["counters"] = counters.snapshot()  # this process' compile/graph counters
-        holds = getattr(self.engine, "kv_holds", None)
+        holds = engine.kv_holds
         if holds is not None:
             stats["kv_holds"] = holds.num_holds
             stats["kv_holds_expired"] = holds.stats.expired
@@ -347,10 +362,10 @@ class EngineCore:
             return
         self._add_now(msg, None)
 
-    def _add_now(self, msg: AddRequest, blocks: Any) -> None:
-        engine = self.engine
+    def _add_now(self, msg: AddRequest, blocks: torch.Tensor | None) -> None:
+        engine = self._engine
+        params = msg.sampling  # validated by the engine (the API server checked it too)
         try:
-            params = self.params_cls(**_params(msg.sampling))
             if msg.first_token is not None:
                 engine.add_prefilled_request(
                     msg.request_id,
@@ -372,11 +387,11 @@ class EngineCore:
             self._unreserve(msg.request_id)
             self._fail(msg.request_id, 400, INVALID_REQUEST, str(exc))
 
-    def _add_holding(self, msg: AddRequest, params: Any) -> None:
+    def _add_holding(self, msg: AddRequest, params: SamplingParams) -> None:
         """A prefill-role request: room under the hold cap first, kept until it finishes."""
         if self.kv is not None:
             self._reserved[msg.request_id] = self.kv.service.reserve(len(msg.prompt_ids))
-        self.engine.add_request(msg.request_id, msg.prompt_ids, params, hold_kv=True)
+        self._engine.add_request(msg.request_id, msg.prompt_ids, params, hold_kv=True)
 
     def _unreserve(self, rid: str) -> None:
         reservation = self._reserved.pop(rid, None)
@@ -391,6 +406,7 @@ class EngineCore:
             self.kv.service.release_local(rid)
 
     def _add_pulled(self) -> None:
+        assert self.kv is not None
         done = self.kv.done
         while done:
             d = done.popleft()
@@ -409,7 +425,7 @@ class EngineCore:
         if self._owner.pop(rid, None) is None:
             return
         try:
-            self.engine.abort_request(rid)
+            self._engine.abort_request(rid)
         except (KeyError, ValueError):
             pass  # already finished
 
@@ -423,20 +439,7 @@ class EngineCore:
         self._send(msg.client, MetricsText(msg.seq, generate_latest(self._registry)))
 
 
-def _params(s: Sampling) -> dict[str, Any]:
-    return {
-        "temperature": s.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "seed": s.seed,
-        "max_tokens": s.max_tokens,
-        "stop_token_ids": list(s.stop_token_ids),
-        "ignore_eos": s.ignore_eos,
-        "logprobs": s.logprobs,
-    }
-
-
-def _req_out(o: Any) -> ReqOut:
+def _req_out(o: RequestOutput) -> ReqOut:
     return ReqOut(
         o.request_id,
         o.new_token_ids,
@@ -444,7 +447,7 @@ def _req_out(o: Any) -> ReqOut:
         (o.finish_reason or "stop") if o.finished else None,
         o.num_prompt_tokens,
         o.num_output_tokens,
-        getattr(o, "num_cached_tokens", 0),
+        o.num_cached_tokens,
     )
 
 

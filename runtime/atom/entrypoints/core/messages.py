@@ -14,19 +14,7 @@ from typing import Any
 import msgspec
 
 from atom.disagg.handle import KVHandle
-
-
-class Sampling(msgspec.Struct, array_like=True):
-    """SamplingParams' fields (atom.engine.params)."""
-
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: bool = False
+from atom.engine.params import SamplingParams
 
 
 # ---- API -> core ------------------------------------------------------------------------------
@@ -34,7 +22,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     client: int  # which API server gets the outputs
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams  # as the API validated it; the engine validates it again
     hold_kv: bool = False  # prefill role: keep the prompt's blocks for a pull
     first_token: int | None = None  # decode role: the prompt ran elsewhere, this was sampled
     first_logprob: float | None = None
@@ -136,6 +124,7 @@ class EngineInfo(msgspec.Struct):
     graphs: dict[str, Any]  # atom.entrypoints.info.graph_info
     warmup: dict[str, Any]
     kv: KVInfo | None
+    eos_token_ids: list[int] = []  # where the engine stops unless ignore_eos (atom.engine.eos)
 
 
 class EngineStatus(msgspec.Struct, tag=True, array_like=True):

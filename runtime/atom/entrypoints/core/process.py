@@ -16,13 +16,16 @@ import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from atom.entrypoints.core.channel import socket_path
 from atom.entrypoints.core.engine_core import CoreEndpoints
 from atom.executor.lifetime import die_with_parent
 
-__all__ = ["die_with_parent"]  # its home is atom.executor.lifetime (TP workers use it too)
+if TYPE_CHECKING:
+    from atom.config import Config
+    from atom.disagg.service import KVService
+    from atom.engine.api import EngineAPI
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class KVSettings:
     max_held_fraction: float = 0.5  # --max-held-kv-fraction
     transport: str = "auto"  # --kv-transport (atom.disagg.transport.TransportMode)
 
-    def service(self) -> Any:
+    def service(self) -> KVService:
         from atom.disagg.service import KVService
 
         return KVService(**asdict(self))
@@ -69,7 +72,7 @@ class KVSettings:
 class CoreSpec:
     """Everything the core process needs; pickled to the spawned child."""
 
-    config: Any  # atom.config.Config
+    config: Config
     endpoints: CoreEndpoints
     kv: KVSettings | None
     parent_pid: int
@@ -89,7 +92,7 @@ def core_main(spec: CoreSpec) -> None:
     from atom.entrypoints.core.engine_core import EngineCore
     from atom.entrypoints.core.kv import CoreKV
 
-    def build() -> Any:
+    def build() -> EngineAPI:
         from atom.engine import LLMEngine
 
         # A dead tensor-parallel rank ends the core at once, reported as the reason
