@@ -21,15 +21,11 @@ import select
 import socket
 import statistics
 import struct
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit_report  # noqa: E402
+from common import emit_report
 
 RECEIVERS = ("zmq-poll", "zmq-spin", "zmq-asyncio", "unix-poll", "unix-spin", "unix-asyncio")
 STAMP = struct.Struct("q")

@@ -41,15 +41,14 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import (  # noqa: E402
+from serve_bench import (
     RequestResult,
     git_commit,
     one_request,
     percentile,
     result_counts,
 )
-from serve_bench import start_server as start_bench_server  # noqa: E402
+from serve_bench import start_server as start_bench_server
 
 QUICK = {
     "model": "tiny-llama",

@@ -48,9 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import REPO, archived_runtime, emit_report, git_commit, long_tiny_llama  # noqa: E402
+from common import REPO, archived_runtime, emit_report, git_commit, long_tiny_llama
 
 MAX_LEN = 8192
 NUM_KV_BLOCKS = 4 * MAX_LEN // 16  # room for the cached prompt and the first ones beside it

@@ -38,9 +38,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import REPO, git_commit  # noqa: E402
+from common import REPO, git_commit
 
 CLIENT_START_S = 3.0  # from submitting the client processes to their common start
 try:
