@@ -111,7 +111,7 @@ def profile_setup(level: int, batches: list[int], context: int, key: str,
 
 
 def capture(engine, mode, sizes: list[int]) -> tuple[Any, float]:
-    from atom.model_engine.graph_runner import GraphRunner
+    from atom.cudagraph.runner import GraphRunner
 
     gr = GraphRunner(engine.config, mode=mode, capture_sizes=sizes)
     engine.runner.graph_runner = gr
@@ -147,16 +147,13 @@ def prepared_decode(engine) -> Iterator[tuple[Any, Any, Any]]:
     sched = engine.scheduler.schedule()
     assert not sched.is_prefill, "expected a pure decode batch"
     seqs = sched.seqs
-    pad = (None, None)
-    if runner.graph_runner is not None:
-        pad = runner.graph_runner.pad_sizes(runner, seqs, False)
     try:
         with torch.inference_mode():
             batch = StepBatch.of(seqs, False)
-            input_ids, _, meta, context = runner.prepare_inputs(batch, *pad)
+            step = runner.prepare_step(batch)  # padded to its plan, as execute_model's
             idx = runner.logits_rows(runner._logits_indices(batch))  # as execute_model
-            with runner.step_context(meta, context):
-                yield runner, input_ids, idx
+            with runner.prepared_context(step):
+                yield runner, step.input_ids, idx
     finally:
         for s in seqs:
             s.num_scheduled_tokens = 0

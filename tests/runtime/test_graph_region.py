@@ -14,12 +14,16 @@ from torch import nn
 from torch.library import Library
 
 from atom.compilation.custom_ops import direct_register_custom_op
+from atom.config import CUDAGraphMode
 from atom.cudagraph import region_graph as rg
 from atom.cudagraph.pool import GraphPool
+from atom.cudagraph.runner import ForwardMode
 from atom.utils.counters import counters
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,
+    StepKind,
+    StepPlan,
     forward_context,
     get_forward_context,
 )
@@ -260,6 +264,20 @@ class PhaseUnit(Unit):
     pass
 
 
+def _token_plan(tg: rg.TokenGraph, rows: int) -> StepPlan:
+    """The plan of a decode step of `rows` one-row sequences over tg's decode buckets."""
+    return ForwardMode.decide(CUDAGraphMode.TR_HYBRID, CUDAGraphMode.TR_HYBRID,
+                              is_prefill=False, num_seqs=rows, num_tokens=rows, q_len=1,
+                              token_sizes=tg.captured_sizes("decode"), req_keys=[])
+
+
+def _req_plan(reqs: rg.ReqGraph, seqs: int, q_len: int = 1) -> StepPlan:
+    """The plan of a decode step of `seqs` sequences of q_len rows over reqs' buckets."""
+    return ForwardMode.decide(CUDAGraphMode.FULL, CUDAGraphMode.NONE, is_prefill=False,
+                              num_seqs=seqs, num_tokens=seqs * q_len, q_len=q_len,
+                              token_sizes=[], req_keys=reqs.keys())
+
+
 def _ctx(n: int, prefill: bool, tr: str | None) -> dict:
     return dict(attn_metadata=AttentionMetaData(slot_mapping=torch.arange(n)),
                 context=Context(is_prefill=prefill, batch_size=n), tr_graph=tr)
@@ -276,7 +294,9 @@ def test_token_graph_unit_records_replays_and_passes_through() -> None:
             unit(torch.zeros(n, 3))
     assert counters.get("graphs_recorded") - recorded == 2
     assert tg.captured_sizes("decode") == [2, 4] and tg.captured_sizes("prefill") == []
-    assert tg.bucket_for("decode", 3) == 4 and tg.bucket_for("decode", 5) is None
+    # the plan pads a 3-row decode step to the 4-row recording; 5 rows fit none: eager
+    assert _token_plan(tg, 3) == StepPlan(StepKind.TOKEN_GRAPH, 4, 4, phase="decode")
+    assert _token_plan(tg, 5).kind == StepKind.EAGER
 
     # The prefill pass claims the recordings without recording again.
     with forward_context(**_ctx(4, True, "record")):
@@ -334,8 +354,8 @@ def test_req_graph_copies_live_metadata_into_the_recorded_tensors() -> None:
         with forward_context(attn_metadata=AttentionMetaData(slot_mapping=static_slots[n])):
             reqs.record((n, 0), model, (static_x[n],))
     assert reqs.keys() == [(2, 0), (4, 0)]
-    assert reqs.bucket_for(3) == (4, 0) and reqs.bucket_for(5) is None
-    assert reqs.bucket_for(1, draft_num=1) is None
+    assert _req_plan(reqs, 3).key == (4, 0) and _req_plan(reqs, 5).kind == StepKind.EAGER
+    assert _req_plan(reqs, 1, q_len=2).kind == StepKind.EAGER  # no (bs, 1) bucket recorded
     with pytest.raises(ValueError, match="already"):
         reqs.record((2, 0), model, (static_x[2],))
 

@@ -14,6 +14,7 @@ from atom.cudagraph.runner import (
     TOKEN_GRAPH,
     ForwardMode,
     GraphRunner,
+    StepPlan,
     frozen_gc,
     pad_to_bucket,
     resolve_capture_sizes,
@@ -84,9 +85,9 @@ def test_capture_size_rules() -> None:
     assert resolve_capture_sizes(None, [64], 20) == [16, 8, 7, 6, 5, 4, 3, 2, 1]
     # several values: used as given
     assert resolve_capture_sizes(None, [3, 9, 5], 16) == [9, 5, 3]
-    with pytest.raises(AssertionError, match="max_num_seqs=8"):
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes .* max_num_seqs=8"):
         resolve_capture_sizes([16, 1], [512], 8)
-    with pytest.raises(AssertionError, match="max_num_seqs"):
+    with pytest.raises(ValueError, match="cuda_graph_sizes.* max_num_seqs"):
         resolve_capture_sizes(None, [4, 32], 8)
 
 
@@ -146,17 +147,27 @@ def test_plan_before_capture_and_with_enforce_eager_is_eager() -> None:
     assert r.plan(False, 2, 2).kind == EAGER
 
 
-def test_pad_sizes_for_the_runner() -> None:
-    from types import SimpleNamespace as NS
-
+def test_plan_pads_the_step_for_the_runner() -> None:
     r = GraphRunner(_config(M.TR_HYBRID), cuda_available=True)
     r._token_sizes = {"decode": [1, 2, 4], "prefill": [1, 2, 4]}  # as after a capture
-    decode = [NS(num_scheduled_tokens=1)] * 3
-    assert r.pad_sizes(None, decode, False) == (4, 4)
-    assert r.pad_sizes(None, [NS(num_scheduled_tokens=1)] * 5, False) == (None, None)
-    prefill = [NS(num_scheduled_tokens=2), NS(num_scheduled_tokens=1)]
-    assert r.pad_sizes(None, prefill, True) == (4, 2)  # rows only
-    assert r.pad_sizes(None, [NS(num_scheduled_tokens=9)], True) == (None, None)
+    assert r.plan(False, 3, 3) == StepPlan(TOKEN_GRAPH, 4, 4, phase="decode")
+    assert r.plan(False, 5, 5) == StepPlan(EAGER, 5, 5)
+    assert r.plan(True, 2, 3) == StepPlan(TOKEN_GRAPH, 4, 2, phase="prefill")  # rows only
+    assert r.plan(True, 1, 9) == StepPlan(EAGER, 9, 1)
+    # a verify step of 3 requests x 2 rows: 6 rows of one sequence each -> bucket of 8 rows
+    r._token_sizes = {"decode": [2, 4, 8], "prefill": []}
+    assert r.plan(False, 6, 6, verify_rows=2) == StepPlan(TOKEN_GRAPH, 8, 8, phase="decode")
+    assert r.plan(False, 10, 10, verify_rows=2) == StepPlan(EAGER, 10, 10)
+
+
+def test_plan_states_its_bucket() -> None:
+    with pytest.raises(ValueError, match="req_graph plan only"):
+        StepPlan(TOKEN_GRAPH, 4, 4, key=(4, 0), phase="decode")
+    with pytest.raises(ValueError, match="req_graph plan only"):
+        StepPlan(REQ_GRAPH, 4, 4)
+    with pytest.raises(ValueError, match="token_graph plan only"):
+        StepPlan(EAGER, 4, 4, phase="decode")
+    assert not StepPlan(EAGER, 4, 4).padded and StepPlan(REQ_GRAPH, 4, 4, key=(4, 0)).padded
 
 
 def test_mode_and_sizes_override() -> None:
@@ -164,7 +175,7 @@ def test_mode_and_sizes_override() -> None:
     r = GraphRunner(cfg, cuda_available=True, mode=M.FULL_DECODE_ONLY, capture_sizes=[2, 6])
     assert r.mode == M.FULL_DECODE_ONLY and r._sizes() == [6, 2]
     assert cfg.compilation_config.cudagraph_mode == M.TR_HYBRID  # the config is untouched
-    with pytest.raises(AssertionError, match="max_num_seqs"):
+    with pytest.raises(ValueError, match=r"capture_sizes\) exceeds max_num_seqs"):
         GraphRunner(cfg, cuda_available=True, capture_sizes=[64])._sizes()
 
 
@@ -234,13 +245,15 @@ def test_emulated_graphs_match_eager(mode: CUDAGraphMode, eager_tokens: list[lis
         assert gr.req_graph.keys() == [(1, 0), (2, 0), (4, 0)]
 
     steps: list[tuple[bool, int, int, bool]] = []
+    plans: list[StepPlan] = []
     inner = gr.maybe_replay
 
     def logged(runner, input_ids):
         out = inner(runner, input_ids)
-        md = get_forward_context().attn_metadata
-        steps.append((get_forward_context().context.is_prefill, md.num_seqs, md.num_rows,
-                      out is not None))
+        fctx = get_forward_context()
+        md = fctx.attn_metadata
+        steps.append((fctx.context.is_prefill, md.num_seqs, md.num_rows, out is not None))
+        plans.append(fctx.plan)
         return out
 
     gr.maybe_replay = logged
@@ -256,16 +269,20 @@ def test_emulated_graphs_match_eager(mode: CUDAGraphMode, eager_tokens: list[lis
     replays = sum(r for *_, r in steps)
     assert run.get("graph_replays") == replays
     assert run.get("eager_steps") == len(steps) - replays
+    # The plan was followed: each step ran as its plan's kind, and the counters by kind agree.
+    assert [p.padded for p in plans] == [r for *_, r in steps]
+    assert {p.kind for p in plans if p.padded} == {TOKEN_GRAPH if tr else REQ_GRAPH}
+    by_kind = {k: sum(p.kind == k for p in plans) for k in (EAGER, REQ_GRAPH, TOKEN_GRAPH)}
+    assert by_kind == {EAGER: run.get("eager_steps", 0),
+                       REQ_GRAPH: run.get("req_graph_replays", 0),
+                       TOKEN_GRAPH: run.get("token_graph_replays", 0)}
     layers = eng.hf_config.num_hidden_layers
     # one eager region (attention) per layer per token-graph replay; none inside a full graph
     assert run.get("eager_region_runs", 0) == (layers * replays if tr else 0)
 
 
-@pytest.mark.parametrize("mode", [M.FULL, M.TR_HYBRID])
-def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
-    """Decode steps verifying a draft token (2 query rows per request) have their own buckets:
-    request buckets (bs, 1) under FULL, token buckets of bs * 2 rows under TR_HYBRID."""
-    import torch
+def _small_runner(mode: CUDAGraphMode, q_len: int = 1):
+    """A warmed-up CPU engine's runner with an emulated graph runner of buckets 1 and 2."""
     from cpu_recorder import CpuOpRecorder
 
     from atom.engine.llm_engine import LLMEngine
@@ -275,10 +292,18 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
                  compilation_config=CompilationConfig(level=0, cudagraph_mode=mode,
                                                       cudagraph_capture_sizes=[1, 2]))
     eng = LLMEngine(cfg)
-    runner = eng.runner
-    gr = GraphRunner(cfg, recorder_factory=CpuOpRecorder, q_len=2)
-    runner.graph_runner = gr
+    gr = eng.runner.graph_runner = GraphRunner(cfg, recorder_factory=CpuOpRecorder, q_len=q_len)
     eng.warmup()
+    return eng.runner, gr
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.TR_HYBRID])
+def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
+    """Decode steps verifying a draft token (2 query rows per request) have their own buckets:
+    request buckets (bs, 1) under FULL, token buckets of bs * 2 rows under TR_HYBRID."""
+    import torch
+
+    runner, gr = _small_runner(mode, q_len=2)
     if mode == M.FULL:  # beside the plain buckets, for decode steps without a draft
         assert gr.req_graph.keys() == [(1, 0), (1, 1), (2, 0), (2, 1)]
     else:
@@ -289,9 +314,35 @@ def test_multi_row_decode_buckets(mode: CUDAGraphMode) -> None:
         ids, pos, md, ctx = runner.build_dummy_decode(2, 2, verify=True)
         assert (md.max_seqlen_q, md.request_q_len, ctx.running_bs) == (1, 2, 2)
         ids.copy_(torch.tensor([7, 8, 9, 10]))
-        with runner.step_context(md, ctx):
+        plan = gr.plan(False, 4, 4, verify_rows=2)  # 2 requests of 2 one-token rows
+        assert (plan.kind, plan.rows, plan.seqs) == (
+            (REQ_GRAPH, 4, 4) if mode == M.FULL else (TOKEN_GRAPH, 4, 4))
+        with runner.step_context(md, ctx, plan=plan):
             out = gr.maybe_replay(runner, ids)
             assert out is not None
             out = out.clone()
             ref = runner.model(ids, pos)
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.TR_HYBRID])
+def test_replay_refuses_inputs_the_plan_does_not_describe(mode: CUDAGraphMode) -> None:
+    """A plan and inputs that disagree are an error, never a silent eager step; so is a plan
+    naming a bucket this capture did not record."""
+    import torch
+
+    runner, gr = _small_runner(mode)
+    plan = gr.plan(False, 2, 2)
+    assert plan.kind == (REQ_GRAPH if mode == M.FULL else TOKEN_GRAPH) and plan.rows == 2
+    unrecorded = (StepPlan(REQ_GRAPH, 4, 4, key=(4, 0)) if mode == M.FULL
+                  else StepPlan(TOKEN_GRAPH, 4, 4, phase="decode"))
+    with torch.inference_mode():
+        ids, _, md, ctx = runner.build_dummy_decode(1)  # one row, planned as two
+        with runner.step_context(md, ctx, plan=plan), pytest.raises(ValueError, match="planned"):
+            gr.maybe_replay(runner, ids)
+        ids, _, md, ctx = runner.build_dummy_decode(4)
+        with runner.step_context(md, ctx, plan=unrecorded), pytest.raises(
+                ValueError, match="no graph"):
+            gr.maybe_replay(runner, ids)
+        with runner.step_context(md, ctx):  # no plan: eager, whatever the rows
+            assert gr.maybe_replay(runner, ids) is None

@@ -11,7 +11,7 @@ from atom.config import Config
 from atom.engine import LLMEngine, SamplingParams, model_runner
 from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
 from atom.engine.sequence import Sequence
-from atom.utils.forward_context import get_forward_context
+from atom.utils.forward_context import StepKind, StepPlan, get_forward_context
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +102,16 @@ class _FakeGraphRunner:
     def __init__(self, out: torch.Tensor | None) -> None:
         self.out, self.calls = out, 0
 
-    def padding(self, is_prefill, num_seqs, num_tokens, q_len=1, verify_rows=1):
+    def plan(self, is_prefill, num_seqs, num_tokens, q_len=1, verify_rows=1) -> StepPlan:
         # decode steps padded to 4 sequences, prefill steps eager
-        return None, (None if is_prefill else 4)
+        if is_prefill:
+            return StepPlan(StepKind.EAGER, num_tokens, num_seqs)
+        return StepPlan(StepKind.REQ_GRAPH, 4, 4, key=(4, 0))
 
     def maybe_replay(self, runner, input_ids):
         self.calls += 1
-        assert get_forward_context().context.running_bs == input_ids.shape[0]
+        fctx = get_forward_context()
+        assert fctx.context.running_bs == input_ids.shape[0] == fctx.plan.rows  # as planned
         return None if self.out is None else self.out[: input_ids.shape[0]]
 
     def capture(self, runner):

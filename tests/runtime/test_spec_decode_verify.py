@@ -17,7 +17,12 @@ from atom.engine.batch import SeqRows, StepBatch
 from atom.engine.sequence import Sequence
 from atom.spec_decode.decoder import verify_batch
 from atom.spec_decode.draft_model import advance_decode_rows
-from atom.utils.forward_context import AttentionMetaData, SpecDecodeMetadata, get_forward_context
+from atom.utils.forward_context import (
+    AttentionMetaData,
+    SpecDecodeMetadata,
+    StepKind,
+    get_forward_context,
+)
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +157,12 @@ def test_bucket_keys_of_the_expanded_rows(k: int) -> None:
     plain = [(1, 0), (2, 0), (4, 0)] if k else []  # FULL also records plain decode buckets
     assert gr.req_graph.keys() == sorted([(1, k), (2, k), (4, k)] + plain)
     rows = [SeqRows(str(i), [5], 3 + i, [0], None, True) for i in range(3 * (k + 1))]
-    assert gr.pad_sizes(e.runner, rows, False, k + 1) == (4 * (k + 1), 4 * (k + 1))
     meta = SpecDecodeMetadata(num_draft_tokens=[k] * 3) if k else None
-    _, _, md, ctx = e.runner.prepare_step(StepBatch(rows, is_prefill=False), spec=meta)
+    step = e.runner.prepare_step(StepBatch(rows, is_prefill=False), spec=meta)
+    plan, md, ctx = step.plan, step.meta, step.context
+    assert (plan.kind, plan.key, plan.rows, plan.seqs) == (
+        StepKind.REQ_GRAPH, (4, k), 4 * (k + 1), 4 * (k + 1))
+    assert step.input_ids.shape[0] == plan.rows
     assert (ctx.batch_size, ctx.running_bs, ctx.running_tokens) == (3, 4, 4 * (k + 1))
     assert (md.max_seqlen_q, md.verify_rows, md.request_q_len) == (1, k + 1, k + 1)
     assert request_bucket(ctx.running_bs, md.request_q_len) == (4, k)

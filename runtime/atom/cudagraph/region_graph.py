@@ -388,11 +388,6 @@ class TokenGraph:
     def has(self, phase: str, num_tokens: int) -> bool:
         return num_tokens in self._phase_sizes[phase]
 
-    def bucket_for(self, phase: str, num_tokens: int) -> int | None:
-        """Smallest bucket recorded for this phase that holds num_tokens rows."""
-        fits = [s for s in self._phase_sizes[phase] if s >= num_tokens]
-        return min(fits) if fits else None
-
     def record(self, fn: Callable[..., Any], inputs: Sequence[Any], phase: str) -> Any:
         """Record fn(*inputs) for its row count and phase; returns the forward's output."""
         n = _rows(inputs)
@@ -527,10 +522,6 @@ class ReqGraph:
 
     def keys(self) -> list[tuple[int, int]]:
         return sorted(self.graphs)
-
-    def bucket_for(self, num_seqs: int, draft_num: int = 0) -> tuple[int, int] | None:
-        fits = [k for k in self.graphs if k[1] == draft_num and k[0] >= num_seqs]
-        return min(fits) if fits else None
 
     def replay(self, key: tuple[int, int], inputs: Sequence[Any] = ()) -> Any:
         """Copy the live step's inputs and metadata to the recorded addresses, then replay."""

@@ -1,8 +1,11 @@
 """The CUDA-graph side of the model runner: mode resolution, capture, and per-step dispatch.
 
 `ModelRunner` owns one `GraphRunner` (`runner.graph_runner`). At warm-up
-`capture(runner)` records the graphs the mode asks for; at each step
-`maybe_replay(runner, input_ids)` replays one of them or returns None (run eagerly).
+`capture(runner)` records the graphs the mode asks for; at each step `plan(...)` decides,
+once, how the step runs (a `StepPlan`: its kind, bucket and padded sizes), the model runner
+pads the step's inputs to it and puts it on the `ForwardContext`, and
+`maybe_replay(runner, input_ids)` replays the graph the plan names or returns None for an
+eager plan. Replay trusts the plan: it checks only that the inputs have the planned rows.
 
 Which graph a step replays (`ForwardMode.decide`):
 - NONE, enforce_eager: eager.
@@ -12,20 +15,19 @@ Which graph a step replays (`ForwardMode.decide`):
 - TR_HYBRID (and FULL_AND_TR_HYBRID, recorded as TR_HYBRID): any step whose token count fits
   a bucket recorded for its phase replays that TokenGraph, padded to the bucket's rows.
 - A step above the largest bucket runs eagerly.
-The runner pads a step before preparing it: `plan(...)` says to how many rows and sequences.
+Each forward is counted by the kind it ran: eager_steps (ModelRunner.run_model),
+req_graph_replays, token_graph_replays.
 """
 
 from __future__ import annotations
 
-import enum
 import gc
 import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
-from collections.abc import Sequence as SequenceOf
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -44,21 +46,15 @@ from atom.utils.counters import counters
 from atom.utils.forward_context import (
     AttentionMetaData,
     Context,
-    ForwardContext,
+    Phase,
+    StepKind,
+    StepPlan,
     TokenGraphPass,
     get_forward_context,
     reset_forward_context,
 )
 
 logger = logging.getLogger(__name__)
-
-
-class StepKind(enum.StrEnum):
-    """How one step runs (StepPlan.kind)."""
-
-    EAGER = "eager"
-    TOKEN_GRAPH = "token_graph"
-    REQ_GRAPH = "req_graph"
 
 
 EAGER, TOKEN_GRAPH, REQ_GRAPH = StepKind.EAGER, StepKind.TOKEN_GRAPH, StepKind.REQ_GRAPH
@@ -75,13 +71,6 @@ class GraphRunnerHost(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]: ...
 
     def set_context(self, meta: AttentionMetaData, context: Context) -> None: ...
-
-
-class ScheduledCount(Protocol):
-    """A scheduled sequence as pad_sizes reads it."""
-
-    @property
-    def num_scheduled_tokens(self) -> int: ...
 
 
 # --------------------------------------------------------------------------- configuration
@@ -133,9 +122,10 @@ def resolve_capture_sizes(
         sizes = list(cuda_graph_sizes)
     sizes = sorted(set(sizes), reverse=True)
     if sizes and sizes[0] > max_num_seqs:
-        raise AssertionError(
-            f"capture size {sizes[0]} exceeds max_num_seqs={max_num_seqs}: a graph the "
-            "scheduler cannot fill would write past the per-sequence buffers"
+        raise ValueError(
+            f"compilation_config capture size {sizes[0]} (cudagraph_capture_sizes / "
+            f"cuda_graph_sizes) exceeds max_num_seqs={max_num_seqs}: a graph the scheduler "
+            "cannot fill would write past the per-sequence buffers"
         )
     return sizes
 
@@ -147,20 +137,6 @@ def pad_to_bucket(n: int, buckets: list[int]) -> int | None:
 
 
 # --------------------------------------------------------------------------- dispatch
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How one step runs: kind, and the rows / sequences it is padded to."""
-
-    kind: StepKind
-    rows: int
-    seqs: int
-    key: tuple[int, int] | None = None  # request bucket of a req_graph step
-
-    @property
-    def padded(self) -> bool:
-        return self.kind != EAGER
 
 
 class ForwardMode:
@@ -186,7 +162,7 @@ class ForwardMode:
                 return eager
             # Decode pads whole sequences (one row each per q); a prefill pads rows only.
             seqs = num_seqs if is_prefill or rows % q_len else rows // q_len
-            return StepPlan(TOKEN_GRAPH, rows, seqs)
+            return StepPlan(TOKEN_GRAPH, rows, seqs, phase=_phase(is_prefill))
         if mode == CUDAGraphMode.FULL and not is_prefill:
             draft = q_len - 1
             bs = pad_to_bucket(num_seqs, [k[0] for k in req_keys if k[1] == draft])
@@ -194,6 +170,10 @@ class ForwardMode:
                 return eager
             return StepPlan(REQ_GRAPH, bs * q_len, bs, (bs, draft))
         return eager
+
+
+def _phase(is_prefill: bool) -> Phase:
+    return "prefill" if is_prefill else "decode"
 
 
 @contextmanager
@@ -312,11 +292,23 @@ class GraphRunner:
             common &= set(tg.captured_sizes(phase))
         return sorted(common)
 
-    def plan(self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int = 1) -> StepPlan:
-        """How the next step runs; the runner pads it to plan.rows / plan.seqs when padded."""
+    def plan(
+        self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int = 1,
+        verify_rows: int = 1,
+    ) -> StepPlan:
+        """How the next step runs: the one decision of the step, which the model runner pads
+        its inputs to (plan.rows / plan.seqs when plan.padded) and replay follows.
+        verify_rows > 1: a verify step whose num_seqs are one-token rows, verify_rows per
+        request; it plans as num_seqs / verify_rows requests of verify_rows rows (bucket
+        (bs, k)) and pads one metadata sequence per row."""
+        if verify_rows > 1 and not is_prefill:
+            plan = self._decide(False, num_seqs // verify_rows, num_tokens, verify_rows)
+            return replace(plan, seqs=plan.rows if plan.padded else num_seqs)
+        return self._decide(is_prefill, num_seqs, num_tokens, q_len)
+
+    def _decide(self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int) -> StepPlan:
         if self.mode == CUDAGraphMode.NONE:  # also under enforce_eager (resolve_mode)
             return StepPlan(EAGER, num_tokens, num_seqs)
-        phase = "prefill" if is_prefill else "decode"
         return ForwardMode.decide(
             self.decode_mode,
             self.mixed_mode,
@@ -324,34 +316,9 @@ class GraphRunner:
             num_seqs=num_seqs,
             num_tokens=num_tokens,
             q_len=q_len,
-            token_sizes=self.token_sizes(phase),
+            token_sizes=self.token_sizes(_phase(is_prefill)),
             req_keys=self.req_graph.keys(),
         )
-
-    def pad_sizes(
-        self,
-        runner: GraphRunnerHost | None,
-        seqs: SequenceOf[ScheduledCount],
-        is_prefill: bool,
-        verify_rows: int = 1,
-    ) -> tuple[int | None, int | None]:
-        """(pad_to_rows, pad_to_seqs) for ModelRunner.prepare_inputs; (None, None): eager.
-        verify_rows > 1: a verify step whose seqs are one-token rows, verify_rows per request;
-        it plans as len(seqs) / verify_rows requests of verify_rows rows (bucket (bs, k))."""
-        num_tokens = sum(int(s.num_scheduled_tokens) for s in seqs)
-        q_len = 1 if is_prefill else max((int(s.num_scheduled_tokens) for s in seqs), default=1)
-        return self.padding(is_prefill, len(seqs), num_tokens, q_len, verify_rows)
-
-    def padding(
-        self, is_prefill: bool, num_seqs: int, num_tokens: int, q_len: int = 1,
-        verify_rows: int = 1,
-    ) -> tuple[int | None, int | None]:
-        """pad_sizes from the step's counts (num_seqs: sequences, or a verify step's rows)."""
-        if verify_rows > 1 and not is_prefill:
-            plan = self.plan(False, num_seqs // verify_rows, num_tokens, verify_rows)
-            return (plan.rows, plan.rows) if plan.padded else (None, None)
-        plan = self.plan(is_prefill, num_seqs, num_tokens, q_len)
-        return (plan.rows, plan.seqs) if plan.padded else (None, None)
 
     # ---------------------------------------------------------------- capture
 
@@ -361,8 +328,9 @@ class GraphRunner:
         if given:
             sizes = sorted(set(given), reverse=True)
             if sizes[0] > self.config.max_num_seqs:
-                raise AssertionError(
-                    f"capture size {sizes[0]} exceeds max_num_seqs={self.config.max_num_seqs}"
+                raise ValueError(
+                    f"capture size {sizes[0]} (capture_sizes) exceeds "
+                    f"max_num_seqs={self.config.max_num_seqs}"
                 )
             return sizes
         return resolve_capture_sizes(
@@ -477,51 +445,41 @@ class GraphRunner:
     # ---------------------------------------------------------------- replay
 
     def maybe_replay(self, runner: GraphRunnerHost, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Replay the step's graph and return its hidden states, or None to run it eagerly."""
-        if self.mode != CUDAGraphMode.NONE and self.capture_sizes:
-            fctx = get_forward_context()
-            ctx = fctx.context
-            if ctx is not None:
-                if ctx.is_prefill:
-                    mode = self.mixed_mode
-                else:
-                    mode = self.decode_mode
-                if mode == CUDAGraphMode.TR_HYBRID:
-                    return self._replay_token_graph(runner, fctx, input_ids)
-                if mode == CUDAGraphMode.FULL and not ctx.is_prefill:
-                    return self._replay_req_graph(runner, fctx, input_ids)
-        return None  # the runner runs the step eagerly (and counts it in eager_steps)
-
-    def _replay_token_graph(
-        self, runner: GraphRunnerHost, fctx: ForwardContext, input_ids: torch.Tensor
-    ) -> torch.Tensor | None:
-        phase = "prefill" if fctx.context.is_prefill else "decode"
+        """Replay the graph the step's plan (ForwardContext.plan) names and return its hidden
+        states; None for an eager plan (the runner runs the step and counts eager_steps).
+        Inputs not padded as planned, or a plan naming no recording, are an error, never a
+        silent eager step."""
+        fctx = get_forward_context()
+        plan = fctx.plan
+        if plan.kind == EAGER:
+            return None
         rows = int(input_ids.shape[0])
-        if rows not in self.token_sizes(phase):
-            return None  # not padded to a bucket (or above the largest): eager
+        if rows != plan.rows:
+            raise ValueError(
+                f"the step was planned as {plan} but its inputs have {rows} rows: prepare it "
+                "with ModelRunner.prepare_step, which pads it to the plan"
+            )
+        if not self._recorded(plan):
+            raise ValueError(f"no graph of this capture serves {plan}")
         if fctx.spec_decode_metadata is not None:
             counters.inc("verify_graph_replays")
+        counters.inc(f"{plan.kind}_replays")  # req_graph_replays, token_graph_replays
+        positions = fctx.context.positions if fctx.context is not None else None
+        if plan.key is not None:
+            return self.req_graph.replay(plan.key, (input_ids, positions))
+        assert plan.phase is not None  # StepPlan: a token-graph plan has its phase
         if self._unit is not None:
-            return token_graph_of(self._unit).replay((input_ids, fctx.context.positions), phase)
+            return token_graph_of(self._unit).replay((input_ids, positions), plan.phase)
         fctx.tr_graph = TokenGraphPass.REPLAY
         try:
-            return runner.model(input_ids, fctx.context.positions)
+            return runner.model(input_ids, positions)
         finally:
             fctx.tr_graph = None
 
-    def _replay_req_graph(
-        self, runner: GraphRunnerHost, fctx: ForwardContext, input_ids: torch.Tensor
-    ) -> torch.Tensor | None:
-        md = fctx.attn_metadata
-        ctx = fctx.context
-        # A verify step's attention rows are one-token rows; its bucket counts the request's.
-        max_q = md.request_q_len if isinstance(md, AttentionMetaData) else 1
-        key = request_bucket(ctx.running_bs or ctx.batch_size, max_q)
-        if key not in self.req_graph or int(input_ids.shape[0]) != key[0] * (key[1] + 1):
-            return None
-        if fctx.spec_decode_metadata is not None:
-            counters.inc("verify_graph_replays")
-        return self.req_graph.replay(key, (input_ids, ctx.positions))
+    def _recorded(self, plan: StepPlan) -> bool:
+        if plan.key is not None:
+            return plan.key in self.req_graph
+        return plan.phase is not None and plan.rows in self.token_sizes(plan.phase)
 
     # ---------------------------------------------------------------- reporting
 

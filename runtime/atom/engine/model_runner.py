@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
@@ -34,10 +35,13 @@ from atom.models.registry import ModelConfig, load_model_config
 from atom.spec_decode.draft_graph import DraftGraph
 from atom.utils.counters import counters
 from atom.utils.forward_context import (
+    EAGER_STEP,
     AttentionMetaData,
     Context,
     ForwardContext,
     SpecDecodeMetadata,
+    StepKind,
+    StepPlan,
     forward_context,
     get_forward_context,
     set_forward_context,
@@ -57,6 +61,18 @@ def _cdiv(a: int, b: int) -> int:
 
 # A step's model inputs: token ids, positions, attention metadata, step context.
 StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetaData, Context]
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's inputs, padded as its plan says, and the plan (prepare_step): the one decision
+    of how the step runs, which step_context puts on the ForwardContext for replay."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetaData
+    context: Context
+    plan: StepPlan
 
 
 class ModelRunner:
@@ -305,20 +321,27 @@ class ModelRunner:
 
     # ---- forward -------------------------------------------------------------------------
     def _context_kwargs(self, meta: AttentionMetaData, context: Context,
-                        spec: SpecDecodeMetadata | None = None) -> dict[str, Any]:
+                        spec: SpecDecodeMetadata | None = None,
+                        plan: StepPlan = EAGER_STEP) -> dict[str, Any]:
         return dict(attn_metadata=meta, atom_config=self.config, context=context,
                     num_tokens=context.running_tokens, no_compile_layers=self.attn_layers,
-                    spec_decode_metadata=spec)
+                    spec_decode_metadata=spec, plan=plan)
 
     def set_context(self, meta: AttentionMetaData, context: Context) -> None:
         """Install the step's forward context (with this runner's attention layers)."""
         set_forward_context(**self._context_kwargs(meta, context))
 
     def step_context(self, meta: AttentionMetaData, context: Context,
-                     spec: SpecDecodeMetadata | None = None
+                     spec: SpecDecodeMetadata | None = None, plan: StepPlan = EAGER_STEP
                      ) -> AbstractContextManager[ForwardContext]:
-        """The step's forward context for a with-block, reset afterwards."""
-        return forward_context(**self._context_kwargs(meta, context, spec))
+        """The step's forward context for a with-block, reset afterwards. plan: how the step
+        runs (prepare_step's); the default runs it eagerly."""
+        return forward_context(**self._context_kwargs(meta, context, spec, plan))
+
+    def prepared_context(self, step: PreparedStep, spec: SpecDecodeMetadata | None = None
+                         ) -> AbstractContextManager[ForwardContext]:
+        """step_context for a prepared step, its plan included."""
+        return self.step_context(step.meta, step.context, spec, step.plan)
 
     def run_model(self, input_ids: torch.Tensor, logits_indices: torch.Tensor | int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +352,7 @@ class ModelRunner:
         positions = context.positions
         hidden_states = None
         if self.graph_runner is not None:
-            # Replays when a recorded bucket serves this step (None: run it eagerly).
+            # Replays the graph the step's plan names (None: an eager plan).
             hidden_states = self.graph_runner.maybe_replay(self, input_ids)
         if hidden_states is None:
             hidden_states = self.model(input_ids, positions)
@@ -362,19 +385,24 @@ class ModelRunner:
         return torch.from_numpy(np.array(idx, dtype=np.int64)).to(self.device, non_blocking=True)
 
     def prepare_step(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
-                     spec: SpecDecodeMetadata | None = None) -> StepInputs:
-        """The step's inputs padded to the graph bucket that runs it (execute_model's; a drafter
-        runs several passes on one preparation: atom.spec_decode.draft_model)."""
+                     spec: SpecDecodeMetadata | None = None) -> PreparedStep:
+        """The step's plan (the graph runner's one decision: kind and bucket) and its inputs
+        padded to it (execute_model's; a drafter runs several passes on one preparation:
+        atom.spec_decode.draft_model)."""
         # A verify step's sequences are its requests' rows (SpecDecodeMetadata.rows_per_request).
         verify_rows = spec.rows_per_request if spec is not None and not batch.is_prefill else 1
-        pad_rows = pad_seqs = None
-        if self.graph_runner is not None:
-            # GraphRunner.pad_sizes' answer, from the batch's columns (no object per sequence)
-            r = batch.rows
+        r = batch.rows
+        num_seqs, num_rows = len(r.starts), len(r.token_ids)
+        if self.graph_runner is None:
+            plan = StepPlan(StepKind.EAGER, num_rows, num_seqs)
+        else:
             q_len = 1 if batch.is_prefill else max(r.num_tokens, default=1)
-            pad_rows, pad_seqs = self.graph_runner.padding(
-                batch.is_prefill, len(r.starts), len(r.token_ids), q_len, verify_rows)
-        return self.prepare_inputs(batch, pad_rows, pad_seqs, pending_tokens, verify_rows)
+            plan = self.graph_runner.plan(batch.is_prefill, num_seqs, num_rows, q_len,
+                                          verify_rows)
+        pad_rows, pad_seqs = (plan.rows, plan.seqs) if plan.padded else (None, None)
+        ids, positions, meta, context = self.prepare_inputs(batch, pad_rows, pad_seqs,
+                                                            pending_tokens, verify_rows)
+        return PreparedStep(ids, positions, meta, context, plan)
 
     @torch.inference_mode()
     def execute_model(self, batch: StepBatch, pending_tokens: torch.Tensor | None = None,
@@ -384,10 +412,10 @@ class ModelRunner:
         step's sampled ids on the device, for rows whose token the host has not read yet
         (prepare_inputs). spec: a verify step's drafts (ForwardContext.spec_decode_metadata),
         batch.seqs then its requests' rows, rows_per_request each, one token a row."""
-        input_ids, _, meta, context = self.prepare_step(batch, pending_tokens, spec)
+        step = self.prepare_step(batch, pending_tokens, spec)
         indices = self.logits_rows(self._logits_indices(batch))
-        with self.step_context(meta, context, spec):
-            logits, _ = self.run_model(input_ids, indices)
+        with self.prepared_context(step, spec):
+            logits, _ = self.run_model(step.input_ids, indices)
         return logits, batch.sampled()
 
     @torch.inference_mode()

@@ -31,7 +31,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, sorted_idx, masked)
 
 
-def _argmax(x: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(x: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
     """x.argmax(dim=-1) of 2-D x; on CUDA through atom.kernels.triton_argmax (a vocabulary
     row in one torch reduction costs 35 us on the H200, there about 3), which also writes
     host (pinned) when given."""
@@ -68,7 +68,7 @@ class Sampler:
         params = [s.params for s in seqs]
         sample_rows = [i for i, p in enumerate(params) if p.temperature != 0]  # not p.greedy
         # An all-greedy step's argmax writes the host copy itself (no copy kernel after it).
-        tokens = _argmax(logits, None if sample_rows else host_tokens)
+        tokens = argmax(logits, None if sample_rows else host_tokens)
         if sample_rows:
             rows = self._rows_tensor(sample_rows, torch.long)
             sub = logits[rows].float()
@@ -83,7 +83,7 @@ class Sampler:
             for j, i in enumerate(sample_rows):
                 gen = seqs[i].generator or self.generator
                 noise[j].exponential_(generator=gen)
-            drawn = _argmax(probs / noise)
+            drawn = argmax(probs / noise)
             tokens = tokens.clone()
             tokens[rows] = drawn
             if host_tokens is not None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atom.engine.batch import SeqRows, StepBatch
-from atom.engine.sampler import _argmax
+from atom.engine.sampler import argmax
 from atom.models.registry import ModelConfig, load_model_config
 from atom.utils.forward_context import AttentionMetaData
 
@@ -117,16 +117,17 @@ class DraftModelDrafter:
             SeqRows(s.request_id, [s.token_ids[-1]], s.num_tokens - 1, s.block_table, None, True)
             for s in seqs
         ]
-        ids, positions, meta, ctx = runner.prepare_step(StepBatch(rows, is_prefill=False))
+        step = runner.prepare_step(StepBatch(rows, is_prefill=False))
+        ids, positions, meta = step.input_ids, step.positions, step.meta
         drafted: list[torch.Tensor] = []
-        with runner.step_context(meta, ctx):
+        with runner.prepared_context(step):  # the k passes share one plan, as their inputs
             for j in range(self.k):
                 if j:
                     advance_decode_rows(
                         ids[:n], positions[:n], meta, drafted[-1], runner.block_size
                     )
                 logits, _ = runner.run_model(ids, n)
-                drafted.append(_argmax(logits[:n]))
+                drafted.append(argmax(logits[:n]))
         for s in seqs:
             s.num_draft_computed = s.num_tokens + self.k - 1
         return torch.stack(drafted, dim=1).tolist()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.engine.params import SamplingParams
-from atom.engine.sampler import _argmax, apply_top_k_top_p
+from atom.engine.sampler import apply_top_k_top_p, argmax
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def verify(
     n = len(drafts)
     k = len(drafts[0]) if n else 0
     rows = logits[: n * (k + 1)]
-    greedy_ids = _argmax(rows).view(n, k + 1).tolist()
+    greedy_ids = argmax(rows).view(n, k + 1).tolist()
     want_lp = any(p.logprobs for p in params)
     logp = rows.log_softmax(dim=-1, dtype=torch.float32).view(n, k + 1, -1) if want_lp else None
     verdicts = []

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -89,6 +89,46 @@ class TokenGraphPass(enum.StrEnum):
     REPLAY = "replay"  # replay the recorded one
 
 
+Phase = Literal["prefill", "decode"]
+
+
+class StepKind(enum.StrEnum):
+    """How one step runs (StepPlan.kind)."""
+
+    EAGER = "eager"
+    REQ_GRAPH = "req_graph"  # FULL: the whole forward of one request bucket
+    TOKEN_GRAPH = "token_graph"  # piecewise: a phase's token bucket, eager regions between
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step runs, decided once (atom.cudagraph.runner.GraphRunner.plan) and trusted at
+    replay: the kind, the rows and metadata sequences the step's inputs are padded to (an
+    eager step's own counts), and the bucket: a request graph's key (running_bs, draft_num),
+    a token graph's phase (its bucket is `rows`)."""
+
+    kind: StepKind
+    rows: int
+    seqs: int
+    key: tuple[int, int] | None = None  # REQ_GRAPH only
+    phase: Phase | None = None  # TOKEN_GRAPH only
+
+    def __post_init__(self) -> None:
+        if (self.key is not None) != (self.kind == StepKind.REQ_GRAPH):
+            raise ValueError(f"a request bucket key goes with a req_graph plan only: {self}")
+        if (self.phase is not None) != (self.kind == StepKind.TOKEN_GRAPH):
+            raise ValueError(f"a phase goes with a token_graph plan only: {self}")
+
+    @property
+    def padded(self) -> bool:
+        """Whether the inputs are padded to a recorded bucket (any kind but EAGER)."""
+        return self.kind != StepKind.EAGER
+
+
+# The plan of a forward nobody planned (warm-up, profiling, tests): it runs eagerly.
+EAGER_STEP = StepPlan(StepKind.EAGER, 0, 0)
+
+
 @dataclass
 class ForwardContext:
     no_compile_layers: dict[int, Any] = field(default_factory=dict)
@@ -100,6 +140,7 @@ class ForwardContext:
     # None: eager; RECORD: a TokenGraph is being recorded; REPLAY: replay the token graph.
     tr_graph: TokenGraphPass | None = None
     atom_config: Any = None
+    plan: StepPlan = EAGER_STEP  # how the step runs (ModelRunner.prepare_step's plan)
 
 
 _forward_context: ForwardContext = ForwardContext()
@@ -129,6 +170,7 @@ def set_forward_context(
     tr_graph: TokenGraphPass | None = None,
     no_compile_layers: dict[int, Any] | None = None,
     kv_cache_data: dict[str, Any] | None = None,
+    plan: StepPlan = EAGER_STEP,
 ) -> ForwardContext:
     """Install the context for the next forward; layers read it with get_forward_context()."""
     global _forward_context
@@ -150,6 +192,7 @@ def set_forward_context(
         spec_decode_metadata=spec_decode_metadata,
         tr_graph=tr_graph,
         atom_config=atom_config,
+        plan=plan,
     )
     return _forward_context
 
