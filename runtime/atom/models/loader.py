@@ -1,4 +1,5 @@
-"""Build a model and fill its weights: safetensors (single file or sharded) or dummy random.
+"""Build a model and fill its weights: safetensors (single file or sharded), GGUF
+(atom.models.gguf_loader) or dummy random.
 
 Tensor names are Hugging Face's; the model says where each one goes (`hf_weight_targets`).
 Every expected tensor is checked against the checkpoint's headers before anything is copied,
@@ -23,6 +24,8 @@ from safetensors import safe_open
 
 from atom.distributed.parallel_state import tp_size
 from atom.layers.sharding import WeightTarget, cut
+from atom.models.gguf_file import GGUF_SUFFIX
+from atom.models.gguf_loader import load_gguf
 from atom.models.llama import LlamaForCausalLM
 from atom.models.registry import ModelConfig
 
@@ -35,6 +38,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class WeightLoadError(ValueError):
     """A checkpoint does not match the model built from its config."""
+
+
+def is_gguf(path: str | None) -> bool:
+    return bool(path) and str(path).endswith(GGUF_SUFFIX)
 
 
 def resolve_dtype(dtype: str, hf_config: ModelConfig) -> torch.dtype:
@@ -153,8 +160,12 @@ def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
     dtype = resolve_dtype(config.dtype, hf_config)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     load_format = getattr(config, "load_format", "auto")
+    gguf = is_gguf(hf_config.path)
     if load_format == "auto":
-        load_format = "safetensors" if hf_config.path else "dummy"
+        load_format = "gguf" if gguf else "safetensors" if hf_config.path else "dummy"
+    if load_format in ("safetensors", "gguf") and gguf != (load_format == "gguf"):
+        raise WeightLoadError(f"--load-format {load_format} does not fit model "
+                              f"{hf_config.name!r} ({hf_config.path or 'no weights file'})")
     if load_format == "safetensors" and not hf_config.path:
         raise WeightLoadError(
             f"model {hf_config.name!r} is a built-in shape without weights: use --load-format dummy"
@@ -168,6 +179,8 @@ def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
         torch.set_default_dtype(old_dtype)
     if load_format == "dummy":
         init_dummy_weights(model, getattr(config, "seed", 0))
+    elif load_format == "gguf":
+        load_gguf(model, str(hf_config.path))
     else:
         load_safetensors(model, hf_config.path)
     return model.eval()

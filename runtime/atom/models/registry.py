@@ -1,4 +1,4 @@
-"""Model shapes: parsed from a Hugging Face config.json, or built in by name.
+"""Model shapes: parsed from a Hugging Face config.json or a GGUF file, or built in by name.
 
 Built-in shapes let `--model llama-3.2-1b --load-format dummy` run with no files; the tiny
 ones keep CPU tests fast.
@@ -153,7 +153,16 @@ def builtin_names() -> list[str]:
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
-    """A directory holding config.json, or a built-in shape name."""
+    """A GGUF file (a .gguf path, a directory holding one, or a packaged model's name), a
+    directory holding config.json, or a built-in shape name."""
+    # Imported here: the GGUF modules build on ModelConfig.
+    from atom.models.gguf_config import model_config_from_gguf
+    from atom.models.gguf_file import PACKAGED_MODELS, find_gguf, read_gguf
+
+    gguf_path = find_gguf(name_or_path)
+    if gguf_path is not None:
+        name = name_or_path if name_or_path in PACKAGED_MODELS else ""
+        return model_config_from_gguf(read_gguf(gguf_path), name=name)
     cfg_file = os.path.join(name_or_path, "config.json")
     if os.path.isdir(name_or_path):
         if not os.path.isfile(cfg_file):
@@ -167,6 +176,7 @@ def load_model_config(name_or_path: str) -> ModelConfig:
         cfg.name = name_or_path
         return cfg
     raise ValueError(
-        f"model {name_or_path!r} is neither a directory with config.json nor a built-in shape "
+        f"model {name_or_path!r} is neither a GGUF file, a directory with config.json or a "
+        f"GGUF, a packaged model ({', '.join(sorted(PACKAGED_MODELS))}) nor a built-in shape "
         f"({', '.join(builtin_names())})"
     )
