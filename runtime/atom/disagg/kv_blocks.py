@@ -90,4 +90,4 @@ def new_staging(layout: KVLayout, num_blocks: int, device: str = "cpu") -> torch
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A flat byte view of a contiguous host tensor (no copy; writable)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data

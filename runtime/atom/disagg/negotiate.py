@@ -87,11 +87,11 @@ def negotiate(
         if not mode.allows(t):
             decision.refused[t] = f"this prefill instance runs --kv-transport {mode}"
             continue
-        why = why_unreachable(t, offer.peer)
-        if why is None:
+        unreachable = why_unreachable(t, offer.peer)
+        if unreachable is None:
             decision.chosen = t
             return decision
-        decision.refused[t] = why
+        decision.refused[t] = unreachable
     if mode.forced is not None and mode.forced not in offer.accept:
         decision.refused[mode.forced] = "the decode instance does not offer it"
     return decision

@@ -267,6 +267,7 @@ class KVServer:
         gather = lambda i: gather_blocks(src.kv_cache, ids[i : i + per_chunk])  # noqa: E731
         pending = loop.run_in_executor(self._executor, gather, starts[0]) if starts else None
         for n in range(len(starts)):
+            assert pending is not None  # set before the loop and by every pass but the last
             data = await pending
             # The next chunk is gathered while this one drains.
             if n + 1 < len(starts):

@@ -12,6 +12,8 @@ elsewhere the model's plain torch math, so CPU numerics are those of the unfused
 
 from __future__ import annotations
 
+from typing import TypedDict, Unpack
+
 import torch
 import torch.nn.functional as F
 
@@ -36,9 +38,18 @@ def reference_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out + residual if residual is not None else out
 
 
+class Fused(TypedDict, total=False):
+    """reference_projection's keywords: the neighbours fused into a projection."""
+
+    norm_weight: torch.Tensor | None
+    eps: float
+    gated: bool
+    residual: torch.Tensor | None
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
             out: torch.Tensor | None = None, overlap: bool = False,
-            **fused: object) -> torch.Tensor:
+            **fused: Unpack[Fused]) -> torch.Tensor:
     """The projection with its fused neighbours (reference_projection's keywords), into out
     when given: the decode kernels on CUDA, the unfused math elsewhere. overlap: the kernel
     before writes none of the parameters (triton_norm_gemv.gemv)."""

@@ -113,7 +113,7 @@ def parse_target(spec: str) -> tuple[str | None, str, int]:
 async def resolve_dns(host: str, port: int) -> list[str]:
     """Every address of `host` (A and AAAA records), in the resolver's order, without repeats."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 class Pool:
