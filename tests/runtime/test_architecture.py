@@ -2,20 +2,24 @@
 
 The import-direction rules are those of docs/architecture.md ("Packages and their allowed
 imports"); they are checked on the source with `ast`, so an import inside a function counts.
+Across the runtime, the operator and the dev tools no two modules import each other (through
+any chain, lazy and TYPE_CHECKING imports included), no module takes another's private names,
+and no project code imports a re-export module: those paths are the guide's, for users.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
+import import_graph
 import pytest
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime" / "atom"
 
-# Every import path of the guide's quick-reference and source-files tables, with its names,
-# and the other old paths that now re-export the new packages.
+# Every import path of the guide's quick-reference and source-files tables, with its names.
 GUIDE_PATHS = {
     "atom.config": ["CompilationLevel", "CompilationConfig", "CUDAGraphMode", "Config"],
     "atom.utils.region_graph": [
@@ -55,19 +59,18 @@ GUIDE_PATHS = {
     "atom.utils.custom_register": ["direct_register_custom_op", "aiter_lib"],
     "atom.model_engine.model_runner": ["ModelRunner"],
 }
-OLD_PATHS = {
-    "atom.utils.compiler_interface": ("atom.compilation.compiler_interface", ["make_compiler"]),
-    "atom.utils.compile_hash": ("atom.compilation.hashing", ["compute_cache_hash"]),
-    "atom.utils.warm_start": ("atom.compilation.warm_start", ["TracedGraph", "WarmStartMiss"]),
-    "atom.utils.compile_prefetch": ("atom.compilation.prefetch", ["CompilePrefetch"]),
+# Each guide path that re-exports, and the module that holds its objects.
+GUIDE_HOMES = {
     "atom.utils.region_graph": ("atom.cudagraph.region_graph", ["TokenGraph", "record"]),
     "atom.utils.backends": ("atom.compilation.backends", ["VllmBackend", "PiecewiseBackend"]),
+    "atom.utils.compiler_inferface": (
+        "atom.compilation.compiler_interface",
+        ["CompilerInterface", "make_compiler"],
+    ),
     "atom.utils.cuda_piecewise_backend": ("atom.compilation.backends", ["PiecewiseBackend"]),
     "atom.utils.decorators": ("atom.compilation.decorators", ["support_torch_compile"]),
     "atom.utils.custom_register": ("atom.compilation.custom_ops", ["direct_register_custom_op"]),
-    "atom.model_engine.graph_runner": ("atom.cudagraph.runner", ["GraphRunner", "ForwardMode"]),
     "atom.model_engine.model_runner": ("atom.engine.model_runner", ["ModelRunner"]),
-    "atom.model_engine.host_staging": ("atom.engine.host_staging", ["HostStaging"]),
 }
 
 
@@ -77,15 +80,18 @@ def test_guide_paths_import_with_their_names(module: str) -> None:
     assert [n for n in GUIDE_PATHS[module] if not hasattr(mod, n)] == []
 
 
-def test_guide_methods_exist() -> None:
+def test_guide_methods_take_the_guides_arguments() -> None:
     from atom.model_engine.model_runner import ModelRunner
 
-    assert callable(ModelRunner.capture_cudagraph) and callable(ModelRunner.run_model)
+    runner, input_ids = object(), object()
+    # bind() raises TypeError when the signature no longer takes the guide's call.
+    inspect.signature(ModelRunner.capture_cudagraph).bind(runner)
+    inspect.signature(ModelRunner.run_model).bind(runner, input_ids)
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_old_paths_are_the_new_objects(old: str) -> None:
-    new, names = OLD_PATHS[old]
+@pytest.mark.parametrize("old", sorted(GUIDE_HOMES))
+def test_guide_paths_are_the_real_objects(old: str) -> None:
+    new, names = GUIDE_HOMES[old]
     old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
     for name in names:
         assert getattr(old_mod, name) is getattr(new_mod, name), name
@@ -196,3 +202,47 @@ def test_the_executor_reaches_the_group_only_through_parallel_state() -> None:
     mods = {m for f in (RUNTIME / "executor").rglob("*.py") for m in _imports(f)
             if _package(m) == "distributed"}
     assert {m for m in mods if not m.startswith("atom.distributed.parallel_state")} == set()
+
+
+# ----------------------------------------------------------------- module graph
+
+MODULES = import_graph.load()
+BENCH = import_graph.REPO / "bench"
+
+
+def test_no_module_import_cycles() -> None:
+    """A cycle through a lazy or TYPE_CHECKING import is still a cycle: the shared part wants
+    a module of its own."""
+    assert import_graph.cycles(import_graph.edges(MODULES)) == []
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    bad = [f"{name}:{use}" for name, module in sorted(MODULES.items())
+           for use in import_graph.private_uses(module, MODULES)]
+    assert bad == []
+
+
+def _shims() -> set[str]:
+    return {name for name, module in MODULES.items()
+            if name.startswith("atom.") and import_graph.is_reexport(module)}
+
+
+def test_the_shim_scan_finds_the_guide_paths() -> None:
+    """The scan below is only as good as this: every guide path that re-exports is a shim."""
+    assert set(GUIDE_HOMES) <= _shims()
+
+
+def test_project_code_imports_no_shim_path() -> None:
+    """The guide's old paths stay for users; runtime, operator, dev tools and bench import the
+    module that holds the code."""
+    shims = _shims()
+    scanned = MODULES | import_graph.load_files(sorted(BENCH.glob("*.py")), import_graph.REPO)
+    bad = set()
+    for name, module in scanned.items():
+        if name in shims:
+            continue
+        for imp in import_graph.imports(module):
+            to = import_graph.target(imp, MODULES)
+            if to in shims:
+                bad.add(f"{module.path.relative_to(import_graph.REPO)}:{imp.line} imports {to}")
+    assert sorted(bad) == []

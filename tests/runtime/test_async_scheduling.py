@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tiny import tiny_engine
 
-from atom.config import CompilationConfig, Config
+from atom.config import CompilationConfig
 from atom.engine import LLMEngine, SamplingParams
 from atom.engine.batch import StepBatch
 from atom.engine.sequence import PENDING_TOKEN, Sequence
@@ -19,13 +20,8 @@ PROMPTS = [[1] + [(5 * i + 11 * j) % 240 + 3 for j in range(9 + 7 * i)] for i in
 
 
 def _engine(async_scheduling: bool, **overrides) -> LLMEngine:
-    kw = dict(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
-              max_model_len=96, num_kv_blocks=64, max_num_seqs=4, seed=3,
-              async_scheduling=async_scheduling)
-    kw.update(overrides)
-    engine = LLMEngine(Config(**kw))
-    engine.warmup()
-    return engine
+    base = dict(max_model_len=96, max_num_seqs=4, seed=3, async_scheduling=async_scheduling)
+    return tiny_engine(**{**base, **overrides})
 
 
 @dataclass
@@ -101,6 +97,7 @@ def _sync_then_async(engine: LLMEngine) -> tuple[dict[str, Stream], dict[str, St
     return sync, overlapped
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_async_steps_give_the_outputs_of_synchronous_steps() -> None:
     engine = _engine(True)
     # per step with pending rows: does each row take the token sampled for the same row?
@@ -124,6 +121,7 @@ def test_async_steps_give_the_outputs_of_synchronous_steps() -> None:
     assert overlapped["long"].num_output_tokens == list(range(1, 13))
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_tokens_stay_on_the_device_between_steps() -> None:
     """After a decode step returns, its sequences hold PENDING_TOKEN: the next step read the
     real ids on the device, yet the outputs match synchronous steps."""
@@ -143,6 +141,7 @@ def test_tokens_stay_on_the_device_between_steps() -> None:
     assert max(seen) == 3  # every running sequence waited on the device at once
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_preemption_with_pending_tokens_keeps_output() -> None:
     reqs: list[Request] = [(f"r{i}", PROMPTS[i], GREEDY, 0) for i in range(4)]
     expected = _run(_engine(False, num_kv_blocks=64), reqs)
@@ -213,6 +212,7 @@ def test_async_steps_on_cuda_graphs(level: int, mode: str) -> None:
     torch.cuda.empty_cache()
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_an_idle_engine_reads_a_new_prompts_token_at_once() -> None:
     """New prompts on an idle engine: their first tokens come from the step that computed
     them (not one step later, after the next step's preparation); the steps after overlap

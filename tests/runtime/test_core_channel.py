@@ -20,6 +20,7 @@ from atom.entrypoints.core.channel import (
     send_now,
     serve_inbox,
 )
+from testutil import async_wait_for
 
 
 def _addr(name: str) -> str:
@@ -142,10 +143,17 @@ def test_send_now_and_the_async_side() -> None:
         server.close()
 
         tx = AsyncOutbox(in_addr)
-        connecting = asyncio.create_task(tx.connect(lambda: True))
+        checks = [0]  # connect asks alive() before each attempt
+
+        def alive() -> bool:
+            checks[0] += 1
+            return True
+
+        connecting = asyncio.create_task(tx.connect(alive))
         tx.send(b"hello")
         tx.send(b"second")
-        await asyncio.sleep(0.05)  # the core is not there yet
+        # the core is not there yet: an attempt failed and connect is retrying
+        await async_wait_for("a failed connect attempt", lambda: checks[0] >= 2)
         inbox = Inbox(in_addr)
         try:
             await asyncio.wait_for(connecting, 5)
@@ -162,9 +170,14 @@ def test_send_now_and_the_async_side() -> None:
 def test_async_outbox_stops_retrying_when_the_core_is_gone() -> None:
     async def main() -> None:
         tx = AsyncOutbox(_addr("never"))
-        alive = [True]
-        task = asyncio.create_task(tx.connect(lambda: alive[0]))
-        await asyncio.sleep(0.03)
+        alive, checks = [True], [0]
+
+        def still_alive() -> bool:
+            checks[0] += 1
+            return alive[0]
+
+        task = asyncio.create_task(tx.connect(still_alive))
+        await async_wait_for("connect retrying", lambda: checks[0] >= 2)
         alive[0] = False
         await asyncio.wait_for(task, 2)
         tx.send(b"dropped?")  # queued, never sent; no error
@@ -179,9 +192,11 @@ def test_a_stranger_with_a_bad_frame_is_dropped_not_fatal() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(inbox.path)
             s.sendall(b"\xff\xff\xff\xffjunk")
-            time.sleep(0.05)
-            assert inbox.wait(100)
-            assert inbox.read() == []
+            assert inbox.wait(1000) and inbox.read() == []  # the stranger accepted
+            assert inbox.wait(1000)  # its bad frame is ready
+            assert inbox.read() == []  # read: no message and no error
+            s.settimeout(5)
+            assert s.recv(1) == b""  # and the inbox hung up on it
         good = Outbox(f"ipc://{inbox.path}")
         good.send(b"ok")
         assert _read_until(inbox, 1) == [b"ok"]

@@ -11,11 +11,12 @@ import contextlib
 import struct
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import torch
 from kv_fixtures import SHAPE, handle_for, kv_server, make_cache
+from tiny import tiny_engine
 
-from atom.config import Config
 from atom.disagg import wire
 from atom.disagg.client import KVTransferError, pull_kv, release_kv
 from atom.disagg.handle import KVHandle
@@ -328,15 +329,15 @@ def test_silent_prefill_times_out_within_the_bound() -> None:
 
 
 # ---- two engines -------------------------------------------------------------------------------
-def tiny_engine(**kw: object) -> LLMEngine:
-    base = dict(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu")
-    return LLMEngine(Config(**{**base, "num_kv_blocks": 64, "max_model_len": 256, **kw}))
+def _engine(**kw: object) -> LLMEngine:
+    return tiny_engine(warmup=False, **{"max_model_len": 256, **kw})
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_prefill_engine_to_decode_engine_matches_unified() -> None:
-    prefill, decode, unified = tiny_engine(), tiny_engine(), tiny_engine()
+    prefill, decode, unified = _engine(), _engine(), _engine()
     assert engine_layout(prefill) == engine_layout(decode)
-    assert engine_layout(prefill) != engine_layout(tiny_engine(seed=1))  # other weights
+    assert engine_layout(prefill) != engine_layout(_engine(seed=1))  # other weights
     prompts = [[1, *range(5, 5 + n)] for n in (3, 15, 16, 40, 90)]  # around block edges
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)
@@ -351,7 +352,7 @@ def test_prefill_engine_to_decode_engine_matches_unified() -> None:
         port = await srv.start("127.0.0.1", 0)
         firsts: dict[str, int] = {}
         for i, (p, params) in enumerate(cases):
-            one = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+            one = msgspec.structs.replace(params, max_tokens=1)
             prefill.add_request(f"p{i}", p, one, hold_kv=True)
         while prefill.has_unfinished_requests():
             firsts.update({o.request_id: o.new_token_ids[0] for o in prefill.step()})
@@ -375,7 +376,7 @@ def test_prefill_engine_to_decode_engine_matches_unified() -> None:
 
 
 def test_engine_frees_unpulled_blocks_after_the_timeout() -> None:
-    engine = tiny_engine()
+    engine = _engine()
     clock = Clock()
     engine.kv_holds = KVHoldRegistry(2.0, clock=clock)
     free = engine.block_manager.num_free_blocks
@@ -392,7 +393,7 @@ def test_engine_frees_unpulled_blocks_after_the_timeout() -> None:
 
 
 def test_prefilled_request_ending_at_its_first_token_needs_no_blocks() -> None:
-    engine = tiny_engine()
+    engine = _engine()
     free = engine.block_manager.num_free_blocks
     engine.add_prefilled_request("a", [1, 2, 3], 5, SamplingParams(max_tokens=1), None)
     engine.add_prefilled_request("b", [1, 2, 3], 9, SamplingParams(stop_token_ids=[9]), None)

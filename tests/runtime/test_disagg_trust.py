@@ -146,8 +146,19 @@ def wait_free(p: Proc, timeout_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
+def dial_with_token(decode: Proc, listener: Listener, body: dict) -> httpx.Response:
+    """A decode request with the router's token and a handle whose KV is at `listener`."""
+    handle = {**forged_handle(listener.port), "identity": kv(decode)["identity"]}
+    return httpx.post(
+        decode.url + "/v1/completions",
+        json={**body, "kv_transfer": handle},
+        headers=INTERNAL,
+        timeout=60,
+    )
+
+
 def test_client_kv_transfer_without_the_token_is_403_and_dials_nothing(inst: Instances) -> None:
-    target = Listener()
+    target, canary = Listener(), Listener()
     try:
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4}
         cases = [
@@ -167,19 +178,18 @@ def test_client_kv_transfer_without_the_token_is_403_and_dials_nothing(inst: Ins
                 assert r.status_code == 403, (proc.url, headers, r.text)
                 err = r.json()["error"]
                 assert err["code"] == "kv_transfer_forbidden" and err["param"] == "kv_transfer"
-        time.sleep(0.5)  # a retry or a release would have connected by now
+        # The same request with the router's token dials, retries and answers within its
+        # own handling: once one sent after them has done so elsewhere, a dial, retry or
+        # release of the refused ones would have reached the target.
+        dialed = dial_with_token(inst.decode, canary, body)
+        assert dialed.status_code in (409, 503), dialed.text
+        assert canary.connections >= 1
         assert target.connections == 0
-        # the same request with the router's token does dial (the listener is not deaf)
-        real = {**forged_handle(target.port), "identity": kv(inst.decode)["identity"]}
-        r = httpx.post(
-            inst.decode.url + "/v1/completions",
-            json={**body, "kv_transfer": real},
-            headers=INTERNAL,
-            timeout=60,
-        )
-        assert r.status_code in (409, 503), r.text
+        # and the target is not deaf: the same request with the token reaches it
+        assert dial_with_token(inst.decode, target, body).status_code in (409, 503)
     finally:
         target.close()
+        canary.close()
     assert target.connections >= 1
 
 

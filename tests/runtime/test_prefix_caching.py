@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_engine
 
-from atom.config import CompilationConfig, Config
+from atom.config import CompilationConfig
 from atom.engine import LLMEngine, SamplingParams
 from atom.engine.block_manager import BlockManager
 from atom.engine.prefix_cache import (
@@ -241,21 +242,8 @@ def test_hit_counters_are_exact_on_a_scripted_sequence() -> None:
 
 # ---- engine parity -------------------------------------------------------------------------------
 def _engine(prefix: bool, **kw) -> LLMEngine:
-    base = dict(
-        model="tiny-llama",
-        load_format="dummy",
-        dtype="float32",
-        device="cpu",
-        max_model_len=128,
-        num_kv_blocks=64,
-        max_num_seqs=4,
-        seed=3,
-        enable_prefix_caching=prefix,
-    )
-    base.update(kw)
-    engine = LLMEngine(Config(**base))
-    engine.warmup()
-    return engine
+    base = dict(max_model_len=128, max_num_seqs=4, seed=3, enable_prefix_caching=prefix)
+    return tiny_engine(**{**base, **kw})
 
 
 SYSTEM = [1] + _toks(79, 4)  # five full blocks
@@ -315,6 +303,7 @@ def _run_one(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int],
     return got, cached
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_same_tokens_with_caching_on_and_off(async_scheduling: bool) -> None:
     off = _run_waves(_engine(False, async_scheduling=async_scheduling), WAVES)
@@ -325,6 +314,7 @@ def test_same_tokens_with_caching_on_and_off(async_scheduling: bool) -> None:
     assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_requests_hit"] >= 4
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_prompt_found_whole_computes_one_decode_row_and_writes_no_shared_block(
     async_scheduling: bool,
@@ -358,6 +348,7 @@ def test_a_prompt_found_whole_computes_one_decode_row_and_writes_no_shared_block
     assert torch.equal(cache[:, :, blocks], before)
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_cached_tokens_reported_per_request() -> None:
     engine = _engine(True)
     seen: dict[str, int] = {}
@@ -369,6 +360,7 @@ def test_cached_tokens_reported_per_request() -> None:
     assert seen == {"x": 0, "y": 80, "z": 0}
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_preemption_chunked_prefill_and_aborts_keep_tokens() -> None:
     """A small pool (preemption, eviction), a small token budget (chunked prefill over cached
     prefixes) and aborts mid-prefill and mid-decode, against an engine without caching."""
@@ -468,6 +460,7 @@ def test_handle_carries_cached_tokens() -> None:
     assert KVHandle.from_dict(old).cached_tokens == 0
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_level_3_compiled_model_same_tokens_with_caching() -> None:
     kw = dict(compilation_config=CompilationConfig(level=3), max_num_batched_tokens=48)
     waves = WAVES[:2]
@@ -477,6 +470,7 @@ def test_level_3_compiled_model_same_tokens_with_caching() -> None:
 
 
 # ---- server: usage, /metrics, /status --------------------------------------------------------------
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_openai_client_sees_cached_tokens_and_metrics_count_them() -> None:
     import httpx
     import openai
@@ -573,6 +567,7 @@ def test_cuda_graphs_same_tokens_with_caching(level: int, mode: str) -> None:
     torch.cuda.empty_cache()
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_next_turn_hits_blocks_written_by_decode_and_a_stop(async_scheduling: bool) -> None:
     """A chat's next turn is the last prompt + its reply + a new message: it hits blocks filled
@@ -603,6 +598,7 @@ def test_next_turn_hits_blocks_written_by_decode_and_a_stop(async_scheduling: bo
     assert on.block_manager.stats.hits - before >= 16 * ((len(turn2) + 30) // 16)
 
 
+@pytest.mark.slow  # 10-60 s on a loaded 2-core machine
 def test_randomized_arrivals_stops_aborts_and_preemption_match_caching_off() -> None:
     """A scripted mix (fixed seed): shared prefixes of several lengths, arrivals at random
     steps, stop tokens, aborts and a pool small enough to preempt and evict."""
