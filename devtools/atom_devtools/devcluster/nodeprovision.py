@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from . import cache, gotool, versions
@@ -190,7 +191,7 @@ def install_debian(_go: str = "") -> None:
     print(f"  Debian packages installed: {' '.join(todo)}", file=sys.stderr, flush=True)
 
 
-NODE_INSTALLERS = {
+NODE_INSTALLERS: dict[str, Callable[[str], None]] = {
     "debian": install_debian,
     "kube-node": install_kube_node,
     "containerd": install_containerd,
