@@ -127,3 +127,20 @@ def test_one_sequence_engine_warms_up_and_generates(level: int) -> None:
     assert e.warmup()["level"] == level
     one, two = e.generate([P1, P2], GREEDY)  # the second waits for the first's slot
     assert len(one) == len(two) == GREEDY.max_tokens
+
+
+def test_the_engine_stops_at_every_eos_its_checkpoint_names(tmp_path) -> None:
+    """config.json, generation_config.json and tokenizer_config's eos_token: the one EOS rule
+    (the server adds none of its own)."""
+    import json
+
+    from atom.engine.eos import model_eos_ids
+    from atom.models.registry import ModelConfig
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 2]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|eot|>", "added_tokens_decoder": {"7": {"content": "<|eot|>"}},
+    }))
+    cfg = ModelConfig(vocab_size=256, eos_token_id=[2], path=str(tmp_path))
+    assert model_eos_ids(cfg) == {2, 7, 9}
+    assert model_eos_ids(ModelConfig(vocab_size=256, eos_token_id=[2])) == {2}
