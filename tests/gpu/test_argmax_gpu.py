@@ -24,8 +24,8 @@ def test_matches_torch_argmax(dtype: torch.dtype, rows: int, vocab: int) -> None
     gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
     x = torch.randn(rows, vocab, generator=gen, device="cuda").to(dtype)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-    held = triton_argmax._COUNTERS[x.device]
-    assert not any(c.any() for c in held), "counters left armed"
+    assert triton_argmax.ARRIVALS.held(x.device), "no arrival counters allocated"
+    assert not triton_argmax.ARRIVALS.armed(x.device), "counters left armed"
 
 
 def test_writes_the_host_copy() -> None:

@@ -24,13 +24,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from atom.kernels.launch import programmatic_launch, zeroed_counters
+from atom.kernels.launch import ArrivalCounters, programmatic_launch
 
 CHUNK = 1024  # elements a program reads
 
-# One arrival counter per row, zero between launches (launch.zeroed_counters).
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 13
+# One arrival counter per row, zero between launches.
+ARRIVALS = ArrivalCounters(1 << 13)
 
 
 @triton.jit
@@ -81,7 +80,7 @@ def argmax_rows(x: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tens
     n_slices = triton.cdiv(n_cols, CHUNK)
     maxima = torch.empty(rows, n_slices, dtype=torch.float32, device=x.device)
     index = torch.empty(rows, n_slices, dtype=torch.int32, device=x.device)
-    counters = zeroed_counters(_COUNTERS, x.device, rows, _MIN_COUNTERS)
+    counters = ARRIVALS.get(x.device, rows)
     pdl = programmatic_launch(x.device)
     _argmax_kernel[(rows, n_slices)](
         x, x.stride(0), n_cols, maxima, index, counters, out, host if host is not None else out,

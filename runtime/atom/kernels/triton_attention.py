@@ -19,39 +19,23 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from atom.kernels import triton_prefill_split as split_kv
 from atom.kernels import tuning
-from atom.kernels.launch import programmatic_launch, zeroed_counters
+from atom.kernels.attention_tiles import (
+    COMBINE_CHUNK,
+    attend_tile,
+    combine_splits,
+    dot_precision,
+    kv_tile,
+    load_q_rows,
+    rope_cos_sin,
+    rope_pointers,
+    rotate,
+    rotate_at,
+    seq_rows,
+)
+from atom.kernels.launch import ArrivalCounters, programmatic_launch
 from atom.kernels.rotary import Rope
-
-
-@triton.jit
-def _rope_row(pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
-    """(cos, sin) of element d of a head at pos."""
-    j = d % HALF
-    c = tl.load(cos_ptr + pos * HALF + j, mask=mask, other=0.0)
-    s = tl.load(sin_ptr + pos * HALF + j, mask=mask, other=0.0)
-    return c, s
-
-
-@triton.jit
-def _rotate(x, partner, c, s, d, HALF: tl.constexpr):
-    """x (element d of a head) rotated by (c, s), rotate-half layout: partner is element
-    d + HALF (first half) or d - HALF (second half). In fp32, rounded once to x's dtype, as
-    atom.kernels.rotary.apply_rotary does."""
-    xf, pf = x.to(tl.float32), partner.to(tl.float32)
-    return tl.where(d < HALF, xf * c - pf * s, xf * c + pf * s).to(x.dtype)
-
-
-@triton.jit
-def _rope(x, partner, pos, d, cos_ptr, sin_ptr, mask, HALF: tl.constexpr):
-    """x (element d of a head) rotated to pos: _rotate by the table's row."""
-    c, s = _rope_row(pos, d, cos_ptr, sin_ptr, mask, HALF)
-    return _rotate(x, partner, c, s, d, HALF)
-
-
-def _rope_args(rope: Rope | None, fallback: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels' (pos_ptr, cos_ptr, sin_ptr): unused pointers without rotation."""
-    return (rope.positions, rope.cos, rope.sin) if rope is not None else (fallback,) * 3
 
 
 @triton.jit
@@ -70,7 +54,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, 
             d = offs % HEAD_DIM
             partner = tl.load(k_ptr + row * stride_k + offs - d + (d + HEAD_DIM // 2) % HEAD_DIM,
                               mask=mask)
-            k = _rope(k, partner, pos, d, cos_ptr, sin_ptr, mask, HEAD_DIM // 2)
+            k = rotate_at(k, partner, pos, d, cos_ptr, sin_ptr, mask, HEAD_DIM // 2)
         v = tl.load(v_ptr + row * stride_v + offs, mask=mask)
         tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -84,34 +68,9 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         return
     row = k_cache.shape[2] * k_cache.shape[3]
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous()
-    _store_kv_kernel[(rows,)](k, v, k_cache, v_cache, slot_mapping, *_rope_args(rope, k),
+    _store_kv_kernel[(rows,)](k, v, k_cache, v_cache, slot_mapping, *rope_pointers(rope, k),
                               k.stride(0), v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
                               HEAD_DIM=k_cache.shape[3], ROPE=rope is not None)
-
-
-@triton.jit
-def _seq_rows(cu_q_ptr, ctx_ptr, seq):
-    """(first query row, query rows, context length) of a prefill step's sequence seq."""
-    q_start = tl.load(cu_q_ptr + seq)
-    return q_start, tl.load(cu_q_ptr + seq + 1) - q_start, tl.load(ctx_ptr + seq)
-
-
-@triton.jit
-def _load_q_rows(q_ptr, rows, head_off, stride_q, r_mask, pos_ptr, cos_ptr, sin_ptr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
-    """Query rows [R, BLOCK_D] of prefill (rows: int64 [R]; head_off: the head's offset in a
-    row, one for all or [R, 1]), rotated to their positions with ROPE; masked rows are 0."""
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_row = q_ptr + rows[:, None] * stride_q + head_off
-    q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
-    if ROPE:
-        partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_mask,
-                          other=0.0)
-        pos = tl.load(pos_ptr + rows, mask=r_mask, other=0).to(tl.int64)
-        q = _rope(q, partner, pos[:, None], offs_d[None, :], cos_ptr, sin_ptr, q_mask,
-                  HEAD_DIM // 2)
-    return q
 
 
 @triton.jit
@@ -123,7 +82,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
     seq = tl.program_id(0)
     head = tl.program_id(1)
     mblk = tl.program_id(2)
-    q_start, q_len, ctx = _seq_rows(cu_q_ptr, ctx_ptr, seq)
+    q_start, q_len, ctx = seq_rows(cu_q_ptr, ctx_ptr, seq)
     if mblk * BLOCK_M < q_len:
         kv_head = head // GROUP
         offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,7 +91,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q = _load_q_rows(q_ptr, rows, head * HEAD_DIM, stride_q, m_mask, pos_ptr, cos_ptr,
+        q = load_q_rows(q_ptr, rows, head * HEAD_DIM, stride_q, m_mask, pos_ptr, cos_ptr,
                          sin_ptr, HEAD_DIM, BLOCK_D, ROPE)
         q_pos = ctx - q_len + offs_m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -193,38 +152,6 @@ def _arrive(count_ptr):
     (barrier) before the release that publishes them at GPU scope."""
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bt, kv_row, d_mask,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             TILE_N: tl.constexpr):
-    """Keys and values [TILE_N, BLOCK_D] of the tile at token t (tokens from t_end on masked),
-    gathered across cache blocks through the block table; and the tile's token mask."""
-    tok = t + tl.arange(0, TILE_N)
-    t_mask = tok < t_end
-    phys = tl.load(bt_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_mask, other=0)
-    slot = phys.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
-    kv_off = slot[:, None] * kv_row + kv_head * HEAD_DIM + tl.arange(0, BLOCK_D)[None, :]
-    kv_mask = t_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    return k, v, t_mask
-
-
-@triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step of q's rows over a key tile, keys masked where valid
-    (broadcast to [rows, keys]) is false: the new (max, sum, output)."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -294,14 +221,14 @@ def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
         t_start = split * per_split * TILE_N
         t_end = tl.minimum(t_start + per_split * TILE_N, cache_len)
         if ROPE:  # padding rows (no keys) skip the table: their output is zero anyway
-            q_cos, q_sin = _rope_row(pos, offs_d[None, :], cos_ptr, sin_ptr,
+            q_cos, q_sin = rope_cos_sin(pos, offs_d[None, :], cos_ptr, sin_ptr,
                                      q_mask & (kv_len > 0), HEAD_DIM // 2)
             if STORE:
-                k_cos, k_sin = _rope_row(pos, offs_d, cos_ptr, sin_ptr, new_mask, HEAD_DIM // 2)
+                k_cos, k_sin = rope_cos_sin(pos, offs_d, cos_ptr, sin_ptr, new_mask, HEAD_DIM // 2)
         # The first key tile is loaded before q: with PDL the launch starts while the kernel
         # before it (the qkv projection) still runs, and everything up to here comes from
         # earlier launches; q, k and v only after the wait for that kernel.
-        k0, v0, t0_mask = _kv_tile(t_start, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr,
+        k0, v0, t0_mask = kv_tile(t_start, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr,
                                    bt_ptr, stride_bt, kv_row, d_mask, HEAD_DIM, BLOCK_D,
                                    BLOCK_SIZE, TILE_N)
         if PDL:
@@ -311,26 +238,26 @@ def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
         if ROPE:
             partner = tl.load(q_row + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
                               mask=q_mask, other=0.0)
-            q = _rotate(q, partner, q_cos, q_sin, offs_d[None, :], HEAD_DIM // 2)
+            q = rotate(q, partner, q_cos, q_sin, offs_d[None, :], HEAD_DIM // 2)
         if STORE:
             k_new = tl.load(k_ptr + row64 * stride_k + head_off + offs_d, mask=new_mask, other=0.0)
             v_new = tl.load(v_ptr + row64 * stride_v + head_off + offs_d, mask=new_mask, other=0.0)
             if ROPE:
                 k_pair = tl.load(k_ptr + row64 * stride_k + head_off
                                  + (offs_d + HEAD_DIM // 2) % HEAD_DIM, mask=new_mask, other=0.0)
-                k_new = _rotate(k_new, k_pair, k_cos, k_sin, offs_d, HEAD_DIM // 2)
+                k_new = rotate(k_new, k_pair, k_cos, k_sin, offs_d, HEAD_DIM // 2)
             k_new = k_new.to(k_cache_ptr.dtype.element_ty)
             v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend_tile(q, k0, v0, t0_mask[None, :], m_i, l_i, acc, scale,
+        m_i, l_i, acc = attend_tile(q, k0, v0, t0_mask[None, :], m_i, l_i, acc, scale,
                                      PRECISION)
         for t in range(t_start + TILE_N, t_end, TILE_N):
-            k, v, t_mask = _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr,
+            k, v, t_mask = kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr,
                                     stride_bt, kv_row, d_mask, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                                     TILE_N)
-            m_i, l_i, acc = _attend_tile(q, k, v, t_mask[None, :], m_i, l_i, acc, scale,
+            m_i, l_i, acc = attend_tile(q, k, v, t_mask[None, :], m_i, l_i, acc, scale,
                                          PRECISION)
         if STORE:
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
@@ -362,61 +289,12 @@ def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
             tl.debug_barrier()  # every thread's partial is written before the arrival is
             arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
-                _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active,
+                combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active,
                                 stride_o, NUM_SPLITS, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D,
                                 COMBINE_CHUNK)
                 tl.store(count_ptr + pair, 0)  # re-armed: the next launch starts from zero
                 if SIGNAL:
                     _arrive(done_ptr)
-
-
-@triton.jit
-def _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head, pair, active, stride_o,
-                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """The row's outputs for the GROUP heads of kv_head from the active splits' partials, read
-    in split order COMBINE_CHUNK at a time (through L2: other SMs wrote them)."""
-    offs_c = tl.arange(0, CHUNK)
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_run = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
-    for s0 in range(0, active, CHUNK):
-        s = s0 + offs_c
-        mask = (s < active)[:, None] & g_mask[None, :]
-        part = (pair * NUM_SPLITS + s)[:, None] * GROUP_P2 + offs_g[None, :]  # [CHUNK, G]
-        m = tl.load(part_ml_ptr + part * 2, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(part_ml_ptr + part * 2 + 1, mask=mask, other=0.0, cache_modifier=".cg")
-        o = tl.load(part_o_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :],
-                    mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = lsum * tl.exp(m - m_safe[None, :])  # a split that saw no key has l = 0: weight 0
-        alpha = tl.exp(m_run - m_safe)
-        l_run = l_run * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
-        m_run = m_new
-    res = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
-    heads = kv_head * GROUP + offs_g
-    tl.store(out_ptr + row64 * stride_o + heads[:, None] * HEAD_DIM + offs_d[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-# Enough programs to fill a large GPU; below that, a row's key tiles are split across programs.
-# The split count may not depend on the step's context lengths (graph capture), so it is sized
-# from the block-table width; the kernel deals each row's own tiles evenly to the splits, so
-# a short context in a wide table still uses them all, and the sequential loop of each program
-# stays short (batch 1 on a 1B model: 8 kv heads would otherwise leave 8 programs walking the
-# whole context).
-# (The split targets, the key tile and DECODE_PDL are in atom.kernels.tuning.)
-_COMBINE_CHUNK = 8  # splits' partials read per step of the combine
-
-
-def _precision(dtype: torch.dtype) -> str | None:
-    # fp32 checkpoints must match the reference closely: no tf32 on the fp32 path.
-    return "ieee" if dtype == torch.float32 else None
 
 
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -432,9 +310,6 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if num_seqs == 0 or max_seqlen_q == 0:
         return
-    # Imported here: that module builds on this one's kernel helpers.
-    from atom.kernels import triton_prefill_split as split_kv
-
     if num_splits is None:
         num_splits = split_kv.prefill_num_splits(num_seqs, max_seqlen_q, max_seqlen_k,
                                                  num_heads, num_kv_heads, head_dim, q.dtype)
@@ -447,12 +322,21 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_m = max(16, min(block_m, triton.next_power_of_2(max_seqlen_q)))
     grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, *_rope_args(rope, q),
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, *rope_pointers(rope, q),
         scale, q.stride(0), out.stride(0), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        PRECISION=_precision(q.dtype), ROPE=rope is not None,
+        PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
     )
+
+
+# Enough programs to fill a large GPU; below that, a row's key tiles are split across programs.
+# The split count may not depend on the step's context lengths (graph capture), so it is sized
+# from the block-table width; the kernel deals each row's own tiles evenly to the splits, so
+# a short context in a wide table still uses them all, and the sequential loop of each program
+# stays short (batch 1 on a 1B model: 8 kv heads would otherwise leave 8 programs walking the
+# whole context).
+# (The split targets, the key tile and DECODE_PDL are in atom.kernels.tuning.)
 
 
 def decode_num_splits(rows: int, num_kv_heads: int, table_tiles: int) -> int:
@@ -472,13 +356,9 @@ class StepKV(NamedTuple):
     slot_mapping: torch.Tensor
 
 
-# Arrival counters of the in-kernel split combine, one per (row, kv head): launch.zeroed_counters.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 16  # 8192 decode rows of 8 kv heads: allocated once, before any capture
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    return zeroed_counters(_COUNTERS, device, n, _MIN_COUNTERS)
+# Arrival counters of the in-kernel split combine, one per (row, kv head); at least 8192
+# decode rows of 8 kv heads.
+ARRIVALS = ArrivalCounters(1 << 16)
 
 
 class DecodeLaunch(NamedTuple):
@@ -510,7 +390,7 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         parts = rows * num_kv_heads * splits * group_p2
         part_o = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q.device)
-        counters = _arrival_counters(q.device, rows * num_kv_heads)
+        counters = ARRIVALS.get(q.device, rows * num_kv_heads)
     else:
         part_o = part_ml = counters = out  # unused
     if new_kv is not None:
@@ -520,15 +400,15 @@ def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         k_new = v_new = slots = q  # unused
     args = (q, k_new, v_new, k_cache, v_cache, out, context_lens, block_tables, slots,
-            part_o, part_ml, counters, *_rope_args(rope, q),
+            part_o, part_ml, counters, *rope_pointers(rope, q),
             scale, q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0),
             block_tables.stride(0))
     pdl = overlap and tuning.DECODE_PDL and rows <= tuning.GEMV_MAX_ROWS and programmatic_launch(q.device)
     constants = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, group_p2), GROUP_P2=group_p2,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tuning.DECODE_TILE_N,
-        Q_LEN=q_len, NUM_SPLITS=splits, COMBINE_CHUNK=_COMBINE_CHUNK,
-        PRECISION=_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None,
+        Q_LEN=q_len, NUM_SPLITS=splits, COMBINE_CHUNK=COMBINE_CHUNK,
+        PRECISION=dot_precision(q.dtype), ROPE=rope is not None, STORE=new_kv is not None,
         PDL=pdl, launch_pdl=pdl)
     return DecodeLaunch((rows, num_kv_heads, splits), args, constants)
 

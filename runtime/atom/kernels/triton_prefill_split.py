@@ -9,7 +9,7 @@ Here a program takes one row block of a sequence's query rows times the GROUP qu
 share a kv head (the rows of one tensor-core dot, as the decode kernel packs heads, so each key
 tile is read once per kv head) and one of NUM_SPLITS slices of the block's key tiles. A slice
 writes its partial (normalised output, max, sum) in the decode kernel's layout, and a second
-launch combines each row's partials in split order (triton_attention._combine_splits, the
+launch combines each row's partials in split order (attention_tiles.combine_splits, the
 decode kernel's combine); a row block whose keys fit one slice writes its output directly.
 
 Causal semantics are the tiled kernel's: query row i of a sequence with q_len rows and context
@@ -24,16 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.rotary import Rope
-from atom.kernels.triton_attention import (
-    _attend_tile,
-    _combine_splits,
-    _kv_tile,
-    _load_q_rows,
-    _precision,
-    _rope_args,
-    _seq_rows,
+from atom.kernels.attention_tiles import (
+    COMBINE_CHUNK,
+    attend_tile,
+    combine_splits,
+    dot_precision,
+    kv_tile,
+    load_q_rows,
+    rope_pointers,
+    seq_rows,
 )
+from atom.kernels.rotary import Rope
 
 # Read at launch time (module attributes). Not yet set by a measurement: the H200 figures of
 # bench/prefill_split_bench.py (split counts swept per chunk and context) are to set them.
@@ -49,11 +50,11 @@ SPLIT_MAX_SPLITS = 64
 # Keys per loop step (4 cache blocks of 16, as the decode kernel); packed dot rows per program
 # (query rows x GROUP_P2 heads) at head_dim 64, half at 128: 64 in bf16 (132 registers on
 # sm_90), 16 in fp32, whose exact ("ieee") dot is no tensor-core op (64 rows spilled 14 KB a
-# thread, 16 rows take 93 registers); splits' partials read per step of the combine.
+# thread, 16 rows take 93 registers). The combine reads attention_tiles.COMBINE_CHUNK splits'
+# partials a step, as the decode kernel's does.
 TILE_N = 64
 PACKED_ROWS = 64
 FP32_PACKED_ROWS = 16
-COMBINE_CHUNK = 8
 
 
 @triton.jit
@@ -84,7 +85,7 @@ def _prefill_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, 
     mblk = tl.program_id(0) % num_mblocks
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_start, q_len, ctx = _seq_rows(cu_q_ptr, ctx_ptr, seq)
+    q_start, q_len, ctx = seq_rows(cu_q_ptr, ctx_ptr, seq)
     t_start, t_end, active = _split_range(ctx, q_len, mblk, split, NUM_SPLITS, BLOCK_Q, TILE_N)
     if (mblk * BLOCK_Q < q_len) & (split < active):
         # Packed row r: query row r // GROUP_P2 of the block, head r % GROUP_P2 of the group.
@@ -96,7 +97,7 @@ def _prefill_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, 
         r_mask = (qi < q_len) & (g < GROUP)
         heads = kv_head * GROUP + g
         rows = (q_start + qi).to(tl.int64)
-        q = _load_q_rows(q_ptr, rows, heads[:, None] * HEAD_DIM, stride_q, r_mask, pos_ptr,
+        q = load_q_rows(q_ptr, rows, heads[:, None] * HEAD_DIM, stride_q, r_mask, pos_ptr,
                          cos_ptr, sin_ptr, HEAD_DIM, BLOCK_D, ROPE)
         q_pos = ctx - q_len + qi
         m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
@@ -104,12 +105,12 @@ def _prefill_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, 
         acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
         kv_row = NUM_KV_HEADS * HEAD_DIM
         for t in range(t_start, t_end, TILE_N):
-            k, v, t_mask = _kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr,
+            k, v, t_mask = kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr,
                                     stride_bt, kv_row, d_mask, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                                     TILE_N)
             tok = t + tl.arange(0, TILE_N)
             valid = t_mask[None, :] & (tok[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
+            m_i, l_i, acc = attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
         # A row whose keys all lie past this slice saw none: l = 0, output 0, combine weight 0.
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if active <= 1:
@@ -136,11 +137,11 @@ def _prefill_combine_kernel(out_ptr, part_o_ptr, part_ml_ptr, cu_q_ptr, ctx_ptr,
     seq = tl.program_id(0)
     i = tl.program_id(1)
     kv_head = tl.program_id(2)
-    q_start, q_len, ctx = _seq_rows(cu_q_ptr, ctx_ptr, seq)
+    q_start, q_len, ctx = seq_rows(cu_q_ptr, ctx_ptr, seq)
     _, _, active = _split_range(ctx, q_len, i // BLOCK_Q, 0, NUM_SPLITS, BLOCK_Q, TILE_N)
     if (i < q_len) & (active > 1):
         row64 = (q_start + i).to(tl.int64)
-        _combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head,
+        combine_splits(out_ptr, part_o_ptr, part_ml_ptr, row64, kv_head,
                         row64 * NUM_KV_HEADS + kv_head, active, stride_o, NUM_SPLITS, GROUP,
                         GROUP_P2, HEAD_DIM, BLOCK_D, CHUNK)
 
@@ -198,8 +199,8 @@ def prefill_split_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                   BLOCK_D=block_d, BLOCK_Q=bq, TILE_N=TILE_N, NUM_SPLITS=splits)
     _prefill_split_kernel[(num_seqs * mblocks, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_o, part_ml, cu_seqlens_q, context_lens, block_tables,
-        *_rope_args(rope, q), scale, q.stride(0), out.stride(0), block_tables.stride(0), mblocks,
-        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), ROPE=rope is not None, **consts)
+        *rope_pointers(rope, q), scale, q.stride(0), out.stride(0), block_tables.stride(0), mblocks,
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), ROPE=rope is not None, **consts)
     if splits > 1:
         _prefill_combine_kernel[(num_seqs, max_seqlen_q, num_kv_heads)](
             out, part_o, part_ml, cu_seqlens_q, context_lens, out.stride(0),
