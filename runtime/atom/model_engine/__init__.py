@@ -1,1 +1,1 @@
-"""Old package of the model runner, kept for the guide's import paths: atom.engine holds it now."""
+"""The guide's package of the model runner (model_runner re-exports atom.engine.model_runner)."""

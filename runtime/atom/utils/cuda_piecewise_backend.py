@@ -1,3 +1,4 @@
-"""Old import path (kept for the guide and existing callers): re-exports atom.compilation.backends."""
+"""The guide's import path: re-exports atom.compilation.backends
+(runtime code imports that module itself)."""
 
 from atom.compilation.backends import *  # noqa: F401,F403

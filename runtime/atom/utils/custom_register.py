@@ -1,3 +1,4 @@
-"""Old import path (kept for the guide and existing callers): re-exports atom.compilation.custom_ops."""
+"""The guide's import path: re-exports atom.compilation.custom_ops
+(runtime code imports that module itself)."""
 
 from atom.compilation.custom_ops import *  # noqa: F401,F403

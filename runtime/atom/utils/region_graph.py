@@ -1,3 +1,4 @@
-"""Old import path (kept for the guide and existing callers): re-exports atom.cudagraph.region_graph."""
+"""The guide's import path: re-exports atom.cudagraph.region_graph
+(runtime code imports that module itself)."""
 
 from atom.cudagraph.region_graph import *  # noqa: F401,F403
