@@ -118,9 +118,10 @@ class Buildah:
     """buildah with its own storage in the cache (runc: crun fails on hybrid cgroups here)."""
 
     def __init__(self) -> None:
-        self.bin = shutil.which("buildah")
-        if not self.bin:
+        found = shutil.which("buildah")
+        if not found:
             raise ProvisionError("buildah not found: `hack/controlplane install debian`")
+        self.bin = found
         root = cache.cache_dir() / "buildah"
         self.flags = [
             "--root",
@@ -268,7 +269,7 @@ def cpu_base(b: Buildah, python: str) -> str:
         site = mount / SITE.lstrip("/")
         site.mkdir(parents=True, exist_ok=True)
         for dist in dists:
-            base = Path(dist.locate_file(""))
+            base = Path(str(dist.locate_file("")))  # a SimplePath to the type checker
             for rel in dist.files or []:
                 src = base / rel
                 if ".." in rel.parts or not src.is_file():

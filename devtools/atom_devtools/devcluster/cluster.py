@@ -192,8 +192,8 @@ class LocalCluster:
             "--allow-privileged=true", "--profiling=false",
         ])
         self._wait("the API server's certificate", lambda: Path(self.ca_file).is_file())
-        self.api = ApiClient(self.server, self.token, self.ca_file)
-        self._wait("kube-apiserver /readyz", lambda: self.api.get("/readyz")[0] == 200)
+        self.api = api = ApiClient(self.server, self.token, self.ca_file)
+        self._wait("kube-apiserver /readyz", lambda: api.get("/readyz")[0] == 200)
         self._write_kubeconfig()
 
         kubeconfig = self.kubeconfig
@@ -234,17 +234,21 @@ class LocalCluster:
         if self.node is not None:
             self._wait("CoreDNS /ready", self.node.dns_ready)
         # The controller-manager creates it; pods cannot be admitted before it exists.
-        self._wait("the default ServiceAccount", lambda: self.api.get(
+        self._wait("the default ServiceAccount", lambda: api.get(
             "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200)
 
+    def _client(self) -> ApiClient:
+        assert self.api is not None, "the API server is started first"
+        return self.api
+
     def _create(self, path: str, obj: dict) -> None:
-        status, body = self.api.create(path, obj)
+        status, body = self._client().create(path, obj)
         if status not in (200, 201, 409):
             raise ClusterError(f"creating {obj['kind']} {obj['metadata']['name']} failed: "
                                f"{status} {body}")
 
     def _nodes_ready(self) -> bool:
-        status, body = self.api.get("/api/v1/nodes")
+        status, body = self._client().get("/api/v1/nodes")
         if status != 200:
             return False
         ready = {
