@@ -121,9 +121,10 @@ class Background:
             )
 
     def retry(self, namespace: str, name: str, delay: float | None) -> None:
-        """Reconcile again after `delay` seconds (a failed apply's backoff)."""
+        """Reconcile again after `delay` seconds (a failed apply's backoff, or a grace period
+        that ends with no event to say so)."""
         if delay is not None:
-            self.logger.info("retrying %s/%s in %.0fs", namespace, name, delay)
+            self.logger.info("reconciling %s/%s again in %.0fs", namespace, name, delay)
             self.requeue.later(namespace, name, delay)
 
     def _map(self, pool: ThreadPoolExecutor, fn: Callable[[Any], None], items: list[Any]) -> None:

@@ -1,7 +1,8 @@
 """Kopf handlers: thin triggers around `Reconciler.run` (one level-triggered reconcile).
 
 create / update / resume of an AtomDeployment reconcile it; an event on any child requeues its
-owner; a periodic resync pass reconciles everything (`background`); a deleted object is
+owner (found by owner reference or instance label, so a child whose managed-by label was edited
+is still seen, and restored within seconds); a periodic resync pass reconciles everything (`background`); a deleted object is
 forgotten. No timer and no delete handler: children carry ownerReferences for the garbage
 collector, and no Kopf finalizer is added.
 What `configure` starts lives in Kopf's memo, not in module globals.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -25,7 +27,7 @@ from atom_operator.leader import AlwaysLeader, LeaderElector
 from atom_operator.logs import Logger
 from atom_operator.reconciler import Reconciler
 from atom_operator.settings import Settings
-from atom_operator.spec import GROUP, PLURAL, VERSION
+from atom_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_RESOURCES = [
@@ -38,7 +40,6 @@ CHILD_RESOURCES = [
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
 ]
-OURS = {naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 MEMO_KEY = "operator"
 
 
@@ -82,10 +83,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: A
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16
     config = Settings.from_env()  # here, not at import: importing the handlers reads nothing
-    reconciler = Reconciler(Kube.from_environment(), config)
+    kube = Kube.from_environment()
     if config.leader_election:
         leader: LeaderElector | AlwaysLeader = LeaderElector(
-            reconciler.kube,
+            kube,  # unfenced: the elector writes the Lease whether it leads or not
             namespace=config.lease_namespace,
             name=config.lease_name,
             identity=config.identity,
@@ -97,6 +98,9 @@ def configure(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: A
         )
     else:
         leader = AlwaysLeader()
+    # Every write of a reconcile goes through its term's fence (leader.py, kube.py).
+    fenced = leader if isinstance(leader, LeaderElector) else None
+    reconciler = Reconciler(kube, config, leadership=fenced)
     bg = Background(reconciler, logger=logger, leader=leader)
     op = Operator(reconciler=reconciler, background=bg, leader=leader)
     memo[MEMO_KEY] = op
@@ -151,18 +155,37 @@ def on_deleted(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
         op.reconciler.forget(event["object"]["metadata"]["uid"])
 
 
+def owner_of(meta: Mapping[str, Any]) -> str | None:
+    """The AtomDeployment a child belongs to: its controller owner reference, else its instance
+    label (retained PVCs and pods have no such reference; pods carry the labels of their
+    template). Not the managed-by label alone: a child whose label was edited is still ours,
+    and the reconcile this triggers restores the label. An unrelated object with an instance
+    label costs one GET of an AtomDeployment that is not there."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            return str(ref.get("name") or "") or None
+    labels = meta.get("labels") or {}
+    ours = (
+        labels.get(naming.LABEL_MANAGED_BY) == naming.MANAGED_BY
+        or labels.get(naming.LABEL_NAME) == naming.APP_NAME
+    )
+    owner = labels.get(naming.LABEL_INSTANCE)
+    return owner if owner and ours else None
+
+
 def _child_changed(body: kopf.Body, memo: Any, **_: Any) -> None:
-    """Requeue the owner named by the child's instance label (retained PVCs have no owner
-    reference, so the label is the link)."""
-    owner = (body.metadata.labels or {}).get(naming.LABEL_INSTANCE)
+    """Requeue the owner of a changed child."""
+    owner = owner_of(body.metadata)
     namespace = body.metadata.namespace
     op = _operator(memo)
     if owner and namespace and op is not None:  # every child kind is namespaced
         op.background.requeue.add(namespace, owner)
 
 
+# No label filter: Kopf filters labels in this process anyway (it watches every object of the
+# kind), and a filter on managed-by missed children whose label was edited until the resync.
 for _group, _version, _plural in CHILD_RESOURCES:
-    kopf.on.event(_group, _version, _plural, labels=OURS, id=f"child-{_plural}")(_child_changed)
+    kopf.on.event(_group, _version, _plural, id=f"child-{_plural}")(_child_changed)
 
 
 @kopf.on.probe(id="reconcile")

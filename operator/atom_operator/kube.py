@@ -2,20 +2,27 @@
 
 The typed clients return generated model objects; the operator's builders produce plain dicts,
 so a thin layer over `kubernetes.client.ApiClient` keeps both sides in one shape.
+
+Every write goes through `request`, the one place a `Fence` is checked (`Kube.fenced`): the
+reconciler writes through the fence of the leader term it began in, so a reconcile that finds
+its replica no longer leading raises `NotLeading` at its next apply, prune, event or status
+patch, and writes nothing more.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from kubernetes import client, config
 
 FIELD_MANAGER = "atom-operator"
+READS = ("GET",)
+STATUS_ATTEMPTS = 3  # a status write that loses its resourceVersion race reads and tries again
 
 # kind -> (api prefix, plural); every child kind the operator touches.
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -47,6 +54,20 @@ class ApiError(Exception):
         super().__init__(f"HTTP {status}: {self.message}")
 
 
+class NotLeading(Exception):
+    """A write refused: this replica no longer leads in the term the caller began in."""
+
+
+class StaleStatus(ApiError):
+    """A status write refused by its own precondition: the stored status already describes a
+    newer generation than the one this writer observed."""
+
+
+class Fence(Protocol):
+    def check(self) -> None:
+        """Raise NotLeading unless the caller may write now."""
+
+
 def apply_body(obj: dict[str, Any]) -> bytes:
     """The apply body as UTF-8 JSON (JSON is YAML). Left to the client, a dict is sent through
     `json.dumps` with ASCII escapes, so a character outside the Basic Multilingual Plane becomes
@@ -55,9 +76,14 @@ def apply_body(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Kube:
     api: client.ApiClient
+    fence: Fence | None = None  # checked before every write; None: unfenced (the elector's)
+
+    def fenced(self, fence: Fence) -> Kube:
+        """This client, writing only while `fence` allows it (same connection pool)."""
+        return replace(self, fence=fence)
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -89,6 +115,8 @@ class Kube:
         body: Any = None,
         content_type: str = "application/json",
     ) -> dict[str, Any]:
+        if self.fence is not None and method not in READS:
+            self.fence.check()  # the last moment before the write leaves this process
         headers = {"Accept": "application/json", "Content-Type": content_type}
         _, url, headers, body, _ = self.api.param_serialize(
             method,
@@ -202,9 +230,29 @@ class Kube:
         self.request("POST", self.path("Event", involved["namespace"]), body=body)
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.request(
-            "PATCH",
-            self.path(kind, namespace, name, "status"),
-            body={"status": status},
-            content_type="application/merge-patch+json",
-        )
+        """Merge-patch the status subresource. A status that names its `observedGeneration` is
+        never written over a stored one of a newer generation (StaleStatus): the write reads
+        the stored status first and carries its resourceVersion as a precondition, so nothing
+        can land between that read and this write (409: read and try again)."""
+        generation = status.get("observedGeneration")
+        body: dict[str, Any] = {"status": status}
+        path = self.path(kind, namespace, name, "status")
+        for attempt in range(STATUS_ATTEMPTS):
+            if isinstance(generation, int):
+                stored = self.get(kind, namespace, name)
+                if stored is None:
+                    raise ApiError(404, f"{kind} {namespace}/{name} not found")
+                seen = (stored.get("status") or {}).get("observedGeneration")
+                if isinstance(seen, int) and seen > generation:
+                    raise StaleStatus(
+                        409,
+                        f"status of generation {seen} is stored; generation {generation}'s "
+                        "would move observedGeneration backwards",
+                    )
+                body["metadata"] = {"resourceVersion": stored["metadata"]["resourceVersion"]}
+            try:
+                self.request("PATCH", path, body=body, content_type="application/merge-patch+json")
+                return
+            except ApiError as exc:
+                if exc.status != 409 or "metadata" not in body or attempt == STATUS_ATTEMPTS - 1:
+                    raise

@@ -5,15 +5,21 @@ into Degraded's reason and all of them into its message. They read what Kubernet
 reports (the scheduler's PodScheduled condition, the kubelet's waiting reasons, the Deployment
 controller's ReplicaFailure and Progressing conditions), so a problem clears on the next
 reconcile after Kubernetes stops reporting it.
+
+What is normal while an object is created is not a problem: a pod the scheduler has not placed
+yet is a `Wait` (Progressing) for a grace period, longer while it waits for its claim to bind,
+and becomes a Problem (Degraded, with the scheduler's reason) only once the grace has passed.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from atom_operator import naming
+from atom_operator.crd_rules import MAX_NAME_LENGTH, NAME_PATTERN
 from atom_operator.snapshot import Snapshot, label
 
 CRASH_RESTARTS = 2
@@ -21,12 +27,31 @@ MAX_MESSAGE = 1000  # one condition message stays readable in `kubectl describe`
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 # The scheduler names a missing claim in its Unschedulable message.
 _MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
+# ... and a claim that exists but has no volume yet (binding takes a moment; a provisioner more).
+_UNBOUND_CLAIM = "unbound immediate PersistentVolumeClaims"
+SCHEDULING_GRACE = timedelta(seconds=15)  # the scheduler places a pod that fits within this
+CLAIM_PENDING_GRACE = timedelta(minutes=2)  # binding (or WaitForFirstConsumer) takes a moment
 
 
 @dataclass(frozen=True)
 class Problem:
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Something normal while an object is created, until `until` (then it is a Problem)."""
+
+    message: str
+    until: datetime
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """An API server timestamp (RFC 3339, seconds, UTC)."""
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 def _short(text: str) -> str:
@@ -48,29 +73,63 @@ def _who(pod: dict[str, Any]) -> str:
     return f"pod {pod['metadata']['name']} ({label(pod, naming.LABEL_ROLE)})"
 
 
-def scheduling(snap: Snapshot) -> list[Problem]:
-    """Pods the scheduler cannot place: no node matches, no GPU left, a claim is missing."""
+def _unschedulable(snap: Snapshot) -> list[tuple[dict[str, Any], str, datetime | None]]:
+    """(pod, the scheduler's message, when it began) of each pod the scheduler could not place."""
     out = []
     for pod in _serving_pods(snap):
         for cond in pod.get("status", {}).get("conditions") or []:
-            if cond.get("type") != "PodScheduled" or cond.get("status") != "False":
+            if (cond.get("type"), cond.get("status"), cond.get("reason")) != (
+                "PodScheduled",
+                "False",
+                "Unschedulable",
+            ):
                 continue
-            if cond.get("reason") != "Unschedulable":
-                continue
-            message = cond.get("message", "")
-            missing = _MISSING_CLAIM.search(message)
-            if missing:
-                out.append(
-                    Problem(
-                        "ClaimMissing",
-                        _short(
-                            f"{_who(pod)} waits for PersistentVolumeClaim {missing.group(1)}, "
-                            "which does not exist"
-                        ),
-                    )
+            since = parse_time(cond.get("lastTransitionTime")) or parse_time(
+                pod["metadata"].get("creationTimestamp")
+            )
+            out.append((pod, cond.get("message", ""), since))
+    return out
+
+
+def _grace_ends(message: str, since: datetime | None) -> datetime | None:
+    """When an unschedulable pod stops being a wait (None: when is unknown, so it is one now)."""
+    if since is None:
+        return None
+    return since + (CLAIM_PENDING_GRACE if _UNBOUND_CLAIM in message else SCHEDULING_GRACE)
+
+
+def scheduling_waits(snap: Snapshot, now: datetime) -> list[Wait]:
+    """Pods the scheduler has not placed yet, within their grace period: Progressing."""
+    out = []
+    for pod, message, since in _unschedulable(snap):
+        until = _grace_ends(message, since)
+        if until is not None and now < until:
+            what = "its claim to bind" if _UNBOUND_CLAIM in message else "a node"
+            out.append(Wait(_short(f"{_who(pod)} waits for {what}: {message}"), until))
+    return out
+
+
+def scheduling(snap: Snapshot, now: datetime | None = None) -> list[Problem]:
+    """Pods the scheduler cannot place: no node matches, no GPU left, a claim is missing. With
+    `now`, a pod still within its grace period (`scheduling_waits`) is no problem yet."""
+    out = []
+    for pod, message, since in _unschedulable(snap):
+        until = _grace_ends(message, since)
+        if now is not None and until is not None and now < until:
+            continue
+        missing = _MISSING_CLAIM.search(message)
+        if missing:
+            out.append(
+                Problem(
+                    "ClaimMissing",
+                    _short(
+                        f"{_who(pod)} waits for PersistentVolumeClaim {missing.group(1)}, "
+                        "which does not exist"
+                    ),
                 )
-            else:
-                out.append(Problem("Unschedulable", _short(f"{_who(pod)}: {message}")))
+            )
+        else:
+            out.append(Problem("Unschedulable", _short(f"{_who(pod)}: {message}")))
     return out
 
 
@@ -171,6 +230,33 @@ def foreign_scalers(snap: Snapshot, owned_deployments: set[str]) -> list[Problem
                 )
             )
     return out
+
+
+def suggested_name(name: str) -> str:
+    """A DNS-1035 label close to `name`: lowercase, '-' for anything else, a letter first."""
+    text = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "atom"
+    if not text[0].isalpha():
+        text = f"atom-{text}"
+    return text[:MAX_NAME_LENGTH].rstrip("-")
+
+
+def legacy_name(name: str) -> list[Problem]:
+    """A name the CRD refuses for new objects, on an object created under an earlier CRD that
+    accepted it (the rule passes an unchanged name, so the object can still be patched): the
+    children named after it (the endpoint Service) cannot be created; say what to do."""
+    if len(name) <= MAX_NAME_LENGTH and re.match(NAME_PATTERN, name):
+        return []
+    return [
+        Problem(
+            "InvalidName",
+            f"metadata.name {name!r} is not a DNS-1035 label (at most {MAX_NAME_LENGTH} "
+            "characters: lowercase letters, digits and '-', starting with a letter): it was "
+            "accepted by an earlier CRD, which the current one refuses for new objects, and "
+            "the children named after it (the endpoint Service) are refused. This object can "
+            "still be patched and deleted; to serve it, create a copy named "
+            f"{suggested_name(name)!r} (any valid name) and delete this one",
+        )
+    ]
 
 
 def unique(problems: list[Problem]) -> list[Problem]:

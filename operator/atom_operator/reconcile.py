@@ -46,6 +46,7 @@ class Result:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     monitoring_unavailable: bool = False
+    recheck_in: float | None = None  # seconds until the status may change with no event
 
 
 def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
@@ -205,17 +206,21 @@ def reconcile(
     if result.deleted:
         logger.info("pruned %s", ", ".join(result.deleted))
 
+    now = datetime.now(UTC)
     result.status = status.compute_status(
         name=name,
         spec=spec,
         generation=generation,
         snap=snap,
         plan=plan,
-        now=datetime.now(UTC),
+        now=now,
         previous_conditions=(previous_status or {}).get("conditions"),
         apply_errors=result.errors,
         monitoring_unavailable=result.monitoring_unavailable,
     )
+    recheck = status.recheck_at(snap, now)
+    if recheck is not None:
+        result.recheck_in = max(0.0, (recheck - now).total_seconds())
     post_events(kube, memory, owner, previous_status, result.status, logger)
     result.seconds = time.monotonic() - started
     return result

@@ -4,6 +4,9 @@ remembers per object: the Kopf handlers and the background triggers both call `r
 Per object (by uid) it keeps an `ObjectMemory` (applied cache, token Secrets seen, last status),
 a lock that serializes its reconciles, its consecutive failures and when it was last
 reconciled. `forget(uid)` drops all of it: on delete, and for any uid a resync no longer lists.
+
+With leader election each run writes through the fence of the term it began in (leader.py):
+a run that finds its replica no longer leading is abandoned at its next write, with a log line.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom_operator.kube import ApiError, Kube
+from atom_operator.kube import ApiError, Kube, NotLeading, StaleStatus
+from atom_operator.leader import Leadership
 from atom_operator.logs import Logger
 from atom_operator.metrics import ReconcileStats
 from atom_operator.reconcile import ObjectMemory, reconcile
@@ -59,10 +63,17 @@ class _Tracked:
     forgotten: bool = False
 
 
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 class Reconciler:
-    def __init__(self, kube: Kube, settings: Settings) -> None:
+    def __init__(
+        self, kube: Kube, settings: Settings, leadership: Leadership | None = None
+    ) -> None:
         self.kube = kube
         self.settings = settings
+        self.leadership = leadership  # None: one replica, writes unfenced
         self.stats = ReconcileStats()
         self._guard = threading.Lock()  # guards _objects and every entry's users/forgotten
         self._objects: dict[str, _Tracked] = {}
@@ -91,16 +102,33 @@ class Reconciler:
         """Reconcile one AtomDeployment (its metadata, spec and status as last seen) and write
         its status. Kopf handlers and the background triggers of one object never interleave."""
         meta = obj["metadata"]
-        uid = meta["uid"]
         previous = dict(obj.get("status") or {})
+        kube = self.kube if self.leadership is None else self.kube.fenced(self.leadership.fence())
+        try:
+            return self._run(kube, obj, previous, logger)
+        except NotLeading as exc:
+            logger.warning(
+                "reconcile of %s/%s abandoned, nothing more written: %s",
+                meta["namespace"],
+                meta["name"],
+                exc,
+            )
+            return Outcome()
+
+    def _run(
+        self, kube: Kube, obj: Mapping[str, Any], previous: dict[str, Any], logger: Logger
+    ) -> Outcome:
+        meta = obj["metadata"]
+        uid = meta["uid"]
+        generation = meta.get("generation", 1)
         with self._hold(uid) as tracked:
             result = reconcile(
-                self.kube,
+                kube,
                 tracked.memory,
                 name=meta["name"],
                 namespace=meta["namespace"],
                 uid=uid,
-                generation=meta.get("generation", 1),
+                generation=generation,
                 spec_body=dict(obj.get("spec") or {}),
                 previous_status=previous,
                 default_image=self.settings.default_image,
@@ -108,25 +136,30 @@ class Reconciler:
                 allow_host_volumes=self.settings.allow_host_volumes,
             )
             patch = status_patch(previous, result.status)
-            if patch:
-                self._write_status(meta["namespace"], meta["name"], patch, logger)
+            if patch:  # observedGeneration always sent: the write's fence (kube.patch_status)
+                body = {**patch, "observedGeneration": generation}
+                self._write_status(kube, meta["namespace"], meta["name"], body, logger)
             tracked.last_done = time.monotonic()
             tracked.failures = tracked.failures + 1 if result.errors else 0
             failures = tracked.failures
         self.stats.record(result.seconds, failed=bool(result.errors))
-        return Outcome(patch, retry_delay(failures))
+        return Outcome(patch, _sooner(retry_delay(failures), result.recheck_in))
 
     def _write_status(
-        self, namespace: str, name: str, patch: dict[str, Any], logger: Logger
+        self, kube: Kube, namespace: str, name: str, patch: dict[str, Any], logger: Logger
     ) -> None:
         # The one status writer, for Kopf handlers and background triggers alike: a merge patch
         # of the status subresource, sent while the object's lock is held. Kopf's own
         # `patch.status` is sent after the handler returns, outside that lock, so a background
         # reconcile that computed a newer status could land first and then be overwritten by
-        # the handler's older one. Neither write carries a resourceVersion (last write wins),
-        # so the order of the writes is what decides, and only the lock fixes that order.
+        # the handler's older one. Within this process the lock fixes the order of the writes;
+        # across processes (a frozen leader that wakes) two fences do: the run's leader term
+        # (NotLeading) and observedGeneration, never written backwards (kube.patch_status reads
+        # the stored one and sends its resourceVersion as a precondition: StaleStatus).
         try:
-            self.kube.patch_status(KIND, namespace, name, patch)
+            kube.patch_status(KIND, namespace, name, patch)
+        except StaleStatus as exc:
+            logger.info("status of %s/%s not written: %s", namespace, name, exc.message)
         except ApiError as exc:
             if exc.status == 404:  # deleted meanwhile: nothing left to describe
                 return

@@ -13,7 +13,7 @@ from typing import Any
 
 from atom_operator import naming, problems, runtime_args
 from atom_operator.builders import Plan
-from atom_operator.problems import Problem
+from atom_operator.problems import CLAIM_PENDING_GRACE, Problem, parse_time
 from atom_operator.snapshot import (
     Snapshot,
     deployment_complete,
@@ -31,17 +31,11 @@ from atom_operator.status_models import (
     RoleStatus,
 )
 
-CLAIM_PENDING_GRACE = timedelta(minutes=2)  # binding (or WaitForFirstConsumer) takes a moment
+RECHECK_MARGIN = timedelta(seconds=1)  # look again just after a grace period ends
 
 
 def _timestamp(now: datetime) -> str:
     return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 def role_counts(spec: AtomDeploymentSpec, snap: Snapshot, role: str, revision: str) -> RoleStatus:
@@ -92,7 +86,7 @@ def cache_condition(
         return "False", "ClaimTerminating", msg, [Problem("ClaimTerminating", msg)]
     phase = pvc.get("status", {}).get("phase", "Pending")
     if phase != "Bound":
-        created = _parse_time(pvc["metadata"].get("creationTimestamp"))
+        created = parse_time(pvc["metadata"].get("creationTimestamp"))
         msg = f"PersistentVolumeClaim {claim} is {phase}"
         if phase == "Lost" or (created is not None and now - created > CLAIM_PENDING_GRACE):
             found.append(Problem("ClaimUnbound", msg + " (no volume bound to it)"))
@@ -207,10 +201,11 @@ def compute_status(
 
     cache_status, cache_reason, cache_msg, found = cache_condition(spec, snap, plan, now)
     found = problems.unique(
-        [Problem("ApplyFailed", e) for e in apply_errors or []]
+        problems.legacy_name(name)
+        + [Problem("ApplyFailed", e) for e in apply_errors or []]
         + found
         + problems.deployments(snap)
-        + problems.scheduling(snap)
+        + problems.scheduling(snap, now)
         + problems.containers(snap)
         + problems.crash_loops(snap)
         + problems.foreign_scalers(snap, plan.owned_deployments())
@@ -248,6 +243,11 @@ def compute_status(
             "RolesNotReady",
             f"{ready_roles}/{total_roles} roles ready at revision {rev}",
         )
+        waits = problems.scheduling_waits(snap, now)
+        if waits:  # normal while creating: said here, not as Degraded
+            msg = problems.joined(
+                [Problem(reason, msg)] + [Problem(reason, w.message) for w in waits]
+            )
         progressing = ("True", reason, msg)
     degraded = (
         ("True", found[0].reason, problems.joined(found))
@@ -312,6 +312,19 @@ def compute_status(
         selector=naming.selector_string(naming.selector_labels(name, naming.UNIFIED)),
     )
     return _dumped(status)
+
+
+def recheck_at(snap: Snapshot, now: datetime) -> datetime | None:
+    """When this status may change with nothing else happening: just after the first grace
+    period still running ends (a pod not yet placed, a claim not yet bound). No event comes
+    then, so the reconcile asks to be run again."""
+    ends = [w.until for w in problems.scheduling_waits(snap, now)]
+    pvc = snap.pvc
+    if pvc is not None and pvc.get("status", {}).get("phase", "Pending") == "Pending":
+        created = parse_time(pvc["metadata"].get("creationTimestamp"))
+        if created is not None and now <= created + CLAIM_PENDING_GRACE:
+            ends.append(created + CLAIM_PENDING_GRACE)
+    return min(ends) + RECHECK_MARGIN if ends else None
 
 
 def per_role(spec: AtomDeploymentSpec, value: Callable[[str], str]) -> str:

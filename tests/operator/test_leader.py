@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from atom_operator.kube import ApiError
+import pytest
+
+from atom_operator.kube import ApiError, NotLeading
 from atom_operator.leader import LeaderElector
 
 
@@ -103,3 +105,94 @@ def test_a_leader_that_cannot_renew_stands_down_before_the_lease_ends() -> None:
     now[0] += 2
     a.step()
     assert not a.leading  # 11 s > 10 s deadline, and < 15 s lease: nobody else leads yet
+
+
+# --- fencing (issue 49) -----------------------------------------------------------------------
+
+
+def test_leading_lapses_with_time_alone_as_in_a_frozen_process() -> None:
+    """A SIGSTOP freezes the election thread too: nothing clears a flag, yet the leader stops
+    leading once its last renewal began a renew deadline ago."""
+    api, now = LeaseApi(), [0.0]
+    (a,) = electors(api, now, "a")
+    a.step()
+    fence = a.fence()
+    fence.check()
+    now[0] += 10  # no step ran: the process was frozen
+    assert not a.leading
+    with pytest.raises(NotLeading):
+        fence.check()
+
+
+def test_a_fence_stays_closed_after_the_replica_is_elected_again() -> None:
+    api, now = LeaseApi(), [0.0]
+    a, b = electors(api, now, "a", "b")
+    a.step(), b.step()
+    in_flight = a.fence()  # a reconcile began in a's first term
+    now[0] += 60  # a froze; b took over meanwhile
+    b.step()
+    assert b.leading
+    a.step()  # a wakes and sees b's record
+    assert not a.leading
+    now[0] += 16  # b goes away for good
+    a.step()  # b's record stood still for a lease duration: a leads again, a new term
+    assert a.leading
+    with pytest.raises(NotLeading):
+        in_flight.check()
+    a.fence().check()
+
+
+def test_the_leader_stands_down_at_once_when_the_lease_names_another_holder() -> None:
+    api, now = LeaseApi(), [0.0]
+    a, b = electors(api, now, "a", "b")
+    a.step()
+    assert api.lease is not None
+    api.lease["spec"]["holderIdentity"] = "b"  # another replica (or a person) took it
+    api.version += 1
+    api.lease["metadata"]["resourceVersion"] = str(api.version)
+    now[0] += 2
+    a.step()
+    assert not a.leading  # at once, not at the renew deadline
+
+
+def test_a_renewal_refused_by_a_conflict_stands_down_at_once() -> None:
+    api, now = LeaseApi(), [0.0]
+    (a,) = electors(api, now, "a")
+    a.step()
+    real = api.request
+
+    def conflicting(method: str, path: str, *, body: dict[str, Any]) -> dict[str, Any]:
+        raise ApiError(409, '{"message": "conflict"}')
+
+    api.request = conflicting  # type: ignore[method-assign]
+    now[0] += 2
+    a.step()
+    assert not a.leading
+    api.request = real  # type: ignore[method-assign]
+
+
+def test_a_deleted_lease_never_makes_two_leaders() -> None:
+    api, now = LeaseApi(), [0.0]
+    a, b = electors(api, now, "a", "b")
+    a.step(), b.step()
+    assert a.leading and not b.leading
+    api.lease = None  # kubectl delete lease
+    took_over = None
+    for tick in range(40):  # 0.5 s steps, in either order
+        order = (a, b) if tick % 2 else (b, a)
+        for e in order:
+            e.step()
+            assert not (a.leading and b.leading), f"two leaders at {now[0]}"
+        if took_over is None and (a.leading or b.leading):
+            took_over = now[0]
+        now[0] += 0.5
+    assert not a.leading or not b.leading
+    assert took_over is not None and took_over <= 15 + 1  # one lease duration, no more
+    assert api.lease is not None and api.lease["spec"]["holderIdentity"] in ("a", "b")
+
+
+def test_the_renew_deadline_must_end_before_the_lease() -> None:
+    with pytest.raises(ValueError):
+        LeaderElector(
+            LeaseApi(), namespace="n", name="l", identity="a", lease_s=5, renew_deadline_s=5
+        )  # type: ignore[arg-type]
