@@ -187,3 +187,74 @@ def spec_rules() -> list[dict[str, str]]:
         *tensor_gpu_rules(),
         kv_transport_rule(),
     ]
+
+
+# spec.model: where the weights come from. At most one of these; the legacy model.path and
+# model.volume (a container path and any volume source) only without one.
+MODEL_SOURCES = ("image", "claim", "builtin")
+
+
+def _any_source() -> str:
+    return " || ".join(f"has(self.{s})" for s in MODEL_SOURCES)
+
+
+def model_rules() -> list[dict[str, str]]:
+    """CEL on spec.model. Every rule only reads fields added with the sources, or relaxes the
+    rule before them, so objects stored under the previous CRD stay valid."""
+    sources = "model.image, model.claim or model.builtin"
+    rules: list[dict[str, str]] = [
+        {
+            "rule": f"has(self.name) || has(self.path) || {_any_source()}",
+            "message": f"model needs a source of weights: {sources} (or model.name, a "
+            "built-in shape, or model.path, a directory in the container)",
+            "reason": "FieldValueRequired",
+        }
+    ]
+    for i, first in enumerate(MODEL_SOURCES):
+        for second in MODEL_SOURCES[i + 1 :]:
+            rules.append(
+                {
+                    "rule": f"!(has(self.{first}) && has(self.{second}))",
+                    "message": f"model.{second} is not allowed with model.{first}: set exactly "
+                    "one source of weights",
+                    "fieldPath": f".{second}",
+                    "reason": "FieldValueForbidden",
+                }
+            )
+    rules += [
+        {
+            "rule": f"!has(self.path) || !({_any_source()})",
+            "message": f"model.path (a directory in the container) is not allowed with "
+            f"{sources}: a file inside the image or claim is model.image.path or "
+            "model.claim.path",
+            "fieldPath": ".path",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": f"!has(self.volume) || !({_any_source()})",
+            "message": f"model.volume is not allowed with {sources}: the operator renders "
+            "their volume itself",
+            "fieldPath": ".volume",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": f"!(has(self.loadFormat) && self.loadFormat == 'dummy') || !({_any_source()})",
+            "message": f"model.loadFormat dummy (random weights) contradicts {sources}: use "
+            "auto to load their weights",
+            "fieldPath": ".loadFormat",
+            "reason": "FieldValueForbidden",
+        },
+    ]
+    return rules
+
+
+def source_path_rule(source: str) -> dict[str, str]:
+    """CEL: model.<source>.path is relative to the mounted image or claim and stays inside it."""
+    return {
+        "rule": "!has(self.path) || (!self.path.startsWith('/') && "
+        "!self.path.matches('(^|/)[.][.](/|$)'))",
+        "message": f"model.{source}.path is relative to the {source}'s root and stays inside "
+        "it: no leading '/' and no '..'",
+        "fieldPath": ".path",
+        "reason": "FieldValueInvalid",
+    }

@@ -11,6 +11,7 @@ import shlex
 from typing import Any
 
 from atom_operator import naming
+from atom_operator.model_spec import ModelSource
 from atom_operator.spec import AtomDeploymentSpec, Compilation, CompilationOverride
 
 DEFAULT_CUDA_GRAPH_SIZES = [512]
@@ -103,9 +104,9 @@ def render_args(
     """Arguments after `atom-runtime` for one role; sizes are dropped when no graph is captured."""
     comp = effective_compilation(spec, role)
     model = spec.model
-    args = [command, "--model", model.path or model.name or ""]
+    args = [command, "--model", model_argument(model)]
     args += ["--load-format", model.load_format, "--dtype", model.dtype]
-    if model.path and model.name:
+    if model.name and model.name != model_argument(model):
         args += ["--served-model-name", model.name]
     args += ["--host", "0.0.0.0", "--port", str(naming.HTTP_PORT)]
     args += ["--max-num-seqs", str(spec.engine.max_num_seqs)]
@@ -147,6 +148,44 @@ def render_args(
     return args
 
 
+def model_argument(model: ModelSource) -> str:
+    """--model: the weights' path where a volume holds them (the image or claim is mounted
+    at naming.MODEL_MOUNT), the built-in name, or the fields from before the sources."""
+    inner: str | None
+    if model.image is not None:
+        inner = model.image.path
+    elif model.claim is not None:
+        inner = model.claim.path
+    else:
+        return model.builtin or model.path or model.name or ""
+    return f"{naming.MODEL_MOUNT}/{inner}" if inner else naming.MODEL_MOUNT
+
+
+def image_identity(reference: str) -> str:
+    """What names an image's content: its digest where the reference pins one (a tag can
+    move, and a digest outlives a renamed repository), else the reference itself."""
+    _, at, digest = reference.rpartition("@")
+    return digest if at else reference
+
+
+def model_identity(model: ModelSource) -> dict[str, Any]:
+    """The weights' identity in the compile-cache key. The fields from before the sources keep
+    their keys as they were; the served name of a source never enters (it compiles nothing)."""
+    legacy = {"name": model.name, "path": model.path, "loadFormat": model.load_format}
+    if model.image is not None:
+        source: dict[str, Any] = {
+            "image": image_identity(model.image.reference),
+            "path": model.image.path,
+        }
+    elif model.claim is not None:
+        source = {"claim": model.claim.name, "path": model.claim.path}
+    elif model.builtin is not None:
+        source = {"builtin": model.builtin}
+    else:
+        return legacy
+    return {"source": source, "loadFormat": model.load_format}
+
+
 def speculative_json(spec: AtomDeploymentSpec, role: str) -> dict[str, Any] | None:
     """The role's --speculative-config; a prefill role never decodes and gets none."""
     if spec.speculative is None or role == naming.PREFILL:
@@ -170,11 +209,7 @@ def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
         comp_fields.pop("cuda_graph_sizes", None)
     identity: dict[str, Any] = {
         "image": image,
-        "model": {
-            "name": spec.model.name,
-            "path": spec.model.path,
-            "loadFormat": spec.model.load_format,
-        },
+        "model": model_identity(spec.model),
         "dtype": spec.model.dtype,
         "engine": spec.engine.model_dump(),
         "compilation": comp_fields,

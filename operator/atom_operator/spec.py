@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, StringConstraints
 
 from atom_operator.crd_rules import (
     DEFAULT_MAX_NUM_SEQS,
@@ -19,6 +18,12 @@ from atom_operator.crd_rules import (
     TENSOR_SIZES,
     spec_rules,
 )
+
+# The model's part lives in model_spec; its names stay importable from here (models.py).
+from atom_operator.model_spec import Dtype as Dtype
+from atom_operator.model_spec import LoadFormat as LoadFormat
+from atom_operator.model_spec import ModelSource
+from atom_operator.spec_base import OPAQUE, CamelModel, opaque_object
 
 GROUP = "atom.dev"
 VERSION = "v1alpha1"
@@ -30,8 +35,6 @@ SHORT_NAMES = ["atomd"]
 GraphMode = Literal["NONE", "TR_HYBRID", "FULL", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
 GRAPH_MODES: tuple[str, ...] = GraphMode.__args__  # type: ignore[attr-defined]
 Level = Literal[0, 1, 2, 3]
-LoadFormat = Literal["auto", "safetensors", "dummy"]
-Dtype = Literal["bfloat16", "float16", "float32", "auto"]
 RoutingPolicy = Literal["prefix", "least-outstanding"]
 Device = Literal["gpu", "cpu"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
@@ -40,9 +43,6 @@ KV_TRANSPORTS: tuple[str, ...] = KVTransport.__args__  # type: ignore[attr-defin
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # Volume sources that reach the node itself (files, host binaries, git on the host).
 HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
-
-# Kubernetes-native sub-objects (volume source, resources, ...) are passed through untouched.
-OPAQUE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
 
 
 def _quantities(kind: str) -> dict[str, Any]:
@@ -72,55 +72,8 @@ def _section(model: type, description: str) -> Any:
     return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
 
 
-def opaque_object(description: str) -> Any:
-    return Field(default=None, description=description, json_schema_extra=OPAQUE)
-
-
 def _resources_field(description: str) -> Any:
     return Field(default=None, description=description, json_schema_extra=_RESOURCES)
-
-
-class CamelModel(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-
-class ModelSource(CamelModel):
-    """Which model the runtime serves and where its weights come from."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.name) || has(self.path)",
-                    "message": "model.name or model.path is required",
-                }
-            ]
-        }
-    )
-
-    name: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=253,
-        description="Model name: a built-in shape (for example llama-3.2-1b) or the name clients use "
-        "when path is set (--served-model-name).",
-    )
-    path: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=4096,
-        description="Directory inside the container with config.json and safetensors weights "
-        "(typically under /models, where volume is mounted). Passed as --model.",
-    )
-    load_format: LoadFormat = Field(
-        default="auto",
-        description="Weight format: auto, safetensors, or dummy (random weights, no files).",
-    )
-    dtype: Dtype = Field(default="bfloat16", description="Model dtype (--dtype).")
-    volume: dict[str, Any] | None = opaque_object(
-        "Any PodSpec volume source (for example persistentVolumeClaim or hostPath) holding the "
-        "weights; mounted read-only at /models."
-    )
 
 
 class EngineSpec(CamelModel):

@@ -8,6 +8,7 @@ from typing import Any
 
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
+from atom_operator.builders.model import model_mount, model_volume
 from atom_operator.builders.secret import token_env
 from atom_operator.crd_rules import CO_LOCATED_TRANSPORTS, GPU_RESOURCE
 from atom_operator.spec import AtomDeploymentSpec
@@ -180,8 +181,9 @@ def runtime_container(
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.compile_cache.enabled:
         mounts.append({"name": "compile-cache", "mountPath": naming.CACHE_MOUNT})
-    if spec.model.volume is not None:
-        mounts.append({"name": "model", "mountPath": naming.MODEL_MOUNT, "readOnly": True})
+    model = model_mount(spec.model)
+    if model is not None:
+        mounts.append(model)
     env = [{"name": "HOME", "value": "/tmp"}, *api_key_env(spec)]  # arbitrary non-root uid
     if role in (naming.PREFILL, naming.DECODE):
         # The KV port binds to the pod IP (--kv-host $(POD_IP)), never 0.0.0.0; only the
@@ -234,8 +236,9 @@ def pod_volumes(owner: Owner, spec: AtomDeploymentSpec) -> list[dict[str, Any]]:
     claim = claim_name(owner, spec)
     if claim:
         volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": claim}})
-    if spec.model.volume is not None:
-        volumes.append({"name": "model", **spec.model.volume})
+    model = model_volume(spec.model)
+    if model is not None:
+        volumes.append(model)
     return volumes
 
 
