@@ -8,6 +8,8 @@
   on top (Inductor compiles C++ on the CPU): the Dockerfile's RUNTIME_BASE for a CPU runtime.
 - `localhost/atom-operator:<hash>` and `localhost/atom-runtime:cpu-<hash>`: the Dockerfile's
   `operator` and `runtime` targets, exported as OCI image layouts into the cache.
+- `localhost/atom-model-smollm2:<version>`: the packaged SmolLM2 GGUF alone (model_image), what
+  examples/atomdeployment-cpu.yaml mounts as spec.model.image.
 
 Every image is tagged with a hash of its inputs (the build context's files, the Dockerfile,
 the base's hash), so a second build with unchanged inputs does nothing. The real node imports
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from atom_devtools.devcluster import cache, versions
 from atom_devtools.devcluster.errors import ProvisionError, tail
+from atom_devtools.model_image import build_model_image
 
 ROOT = Path(__file__).resolve().parents[2]
 # The build context (what .dockerignore lets in) and the build's own files.
@@ -339,13 +342,18 @@ def _bud(b: Buildah, target: str, ref: str, build_args: dict[str, str]) -> None:
     b(*args, str(ROOT), what=f"buildah bud --target {target} ({ref})")
 
 
-def build(targets: Iterable[str] = ("operator", "runtime")) -> dict[str, Image]:
+TARGETS = ("operator", "runtime", "model")
+
+
+def build(targets: Iterable[str] = TARGETS) -> dict[str, Image]:
     """Build (or find) each image and its OCI layout; returns {target: Image}."""
     b = Buildah()
     out = images_dir()
     out.mkdir(parents=True, exist_ok=True)
+    targets = tuple(targets)
     ctx = context_hash()
-    python = python_base(b)
+    # The model image is FROM scratch: building it alone needs no Python base.
+    python = python_base(b) if {"operator", "runtime"} & set(targets) else ""
     result: dict[str, Image] = {}
     for target in targets:
         if target == "operator":
@@ -356,12 +364,15 @@ def build(targets: Iterable[str] = ("operator", "runtime")) -> dict[str, Image]:
             ref = f"localhost/atom-runtime:cpu-{_digest([ctx.encode(), base.encode()])}"
             _bud(b, "runtime", ref,
                  {"PYTHON_BASE": python, "RUNTIME_BASE": base, "SOURCE_HASH": ctx})  # fmt: skip
+        elif target == "model":
+            ref = build_model_image(b)
         else:
-            raise ProvisionError(f"unknown image target {target!r} (operator, runtime)")
+            raise ProvisionError(f"unknown image target {target!r} ({', '.join(TARGETS)})")
         name = ref.split("/", 1)[1].split(":", 1)[0]
         result[target] = b.export(ref, out / name)
-    current = {t: {"ref": i.ref, "layout": str(i.layout)} for t, i in result.items()}
-    (out / "current.json").write_text(json.dumps(current, indent=2))
+    latest = {**current(), **result}  # building some targets keeps the others' entries
+    data = {t: {"ref": i.ref, "layout": str(i.layout)} for t, i in latest.items()}
+    (out / "current.json").write_text(json.dumps(data, indent=2))
     return result
 
 
@@ -383,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "targets",
         nargs="*",
-        default=["operator", "runtime"],
-        help="operator and/or runtime (default: both)",
+        default=list(TARGETS),
+        help=f"any of {', '.join(TARGETS)} (default: all)",
     )
     args = parser.parse_args(argv)
     start = time.monotonic()

@@ -311,3 +311,15 @@ def test_api_server_refuses_each_contradiction_and_keeps_old_specs(api: tuple[An
     for case, body in LEGACY.items():
         result = _dry_run(api, copy.deepcopy(body))
         assert result.returncode == 0, (case, result.stderr)
+
+
+def test_cpu_example_mounts_the_model_image() -> None:
+    doc = yaml.safe_load((EXAMPLES / "atomdeployment-cpu.yaml").read_text())
+    assert violations(copy.deepcopy(doc["spec"])) == []
+    s = models.AtomDeploymentSpec.model_validate(doc["spec"])
+    assert s.model.source == "image" and s.model.image is not None
+    assert s.model.image.reference.startswith("localhost/atom-model-smollm2:")
+    pod = builders.runtime.pod_spec(OWNER, s, "unified", IMAGE, "k")
+    assert _model_volume(pod) == {"name": "model", "image": {"reference": s.model.image.reference}}
+    args = runtime_args.render_args(s, "unified", cache_dir=None)
+    assert args[args.index("--model") + 1] == f"/models/{FILE}"
