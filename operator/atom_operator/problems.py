@@ -133,6 +133,16 @@ def scheduling(snap: Snapshot, now: datetime | None = None) -> list[Problem]:
     return out
 
 
+def _pulled_image(pod: dict[str, Any], container_image: str, detail: str) -> str:
+    """What a pull failure is about: an image volume (spec.model.image) when the kubelet's
+    message quotes its reference (it fails the container that mounts it), else the container's."""
+    for volume in pod.get("spec", {}).get("volumes") or []:
+        ref = (volume.get("image") or {}).get("reference")
+        if ref and f'"{ref}' in detail:
+            return f"{ref} (image volume {volume['name']})"
+    return container_image
+
+
 def containers(snap: Snapshot) -> list[Problem]:
     """Containers that cannot start: the image cannot be pulled, or env/volume sources are
     missing (a Secret named by apiKeySecretRef, say)."""
@@ -146,7 +156,7 @@ def containers(snap: Snapshot) -> list[Problem]:
             reason = waiting.get("reason")
             detail = waiting.get("message", "")
             if reason in IMAGE_PULL_REASONS:
-                image = cs.get("image", "")
+                image = _pulled_image(pod, cs.get("image", ""), detail)
                 out.append(
                     Problem(
                         "ImagePullFailed",

@@ -323,3 +323,35 @@ def test_cpu_example_mounts_the_model_image() -> None:
     assert _model_volume(pod) == {"name": "model", "image": {"reference": s.model.image.reference}}
     args = runtime_args.render_args(s, "unified", cache_dir=None)
     assert args[args.index("--model") + 1] == f"/models/{FILE}"
+
+
+def _waiting_pod(volumes: list[dict[str, Any]], reason: str, message: str) -> dict[str, Any]:
+    status = {
+        "image": IMAGE,
+        "ready": False,
+        "state": {"waiting": {"reason": reason, "message": message}},
+    }
+    return {
+        "metadata": {"name": "demo-unified-0", "labels": {"atom.dev/role": "unified"}},
+        "spec": {"volumes": volumes},
+        "status": {"phase": "Pending", "containerStatuses": [status]},
+    }
+
+
+def test_a_model_image_pull_failure_names_the_model_image() -> None:
+    from atom_operator import problems
+
+    missing = "localhost/atom-model-missing:0.0.0"
+    volume = {"name": "model", "image": {"reference": missing}}
+    message = f'Back-off pulling image "{missing}": ErrImagePull: not found'
+    found = problems.containers(
+        Snapshot(pods=[_waiting_pod([volume], "ImagePullBackOff", message)])
+    )
+    assert [p.reason for p in found] == ["ImagePullFailed"]
+    assert f"cannot pull image {missing} (image volume model): ImagePullBackOff" in found[0].message
+    # the runtime image's own failure still names the runtime image
+    runtime = f'Back-off pulling image "{IMAGE}": not found'
+    found = problems.containers(
+        Snapshot(pods=[_waiting_pod([volume], "ImagePullBackOff", runtime)])
+    )
+    assert f"cannot pull image {IMAGE}: ImagePullBackOff" in found[0].message
