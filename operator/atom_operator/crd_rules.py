@@ -132,7 +132,17 @@ def size_rules() -> list[dict[str, str]]:
     return rules
 
 
-def root_rules() -> list[dict[str, str]]:
+def _for_new_names(check: str) -> str:
+    """CEL: `check` holds, or the object had this same name before (a transition rule, with
+    optionalOldSelf): a name rule added in a later CRD refuses new objects, never the patches
+    of one an earlier CRD accepted, which would strand it (issue 49)."""
+    return (
+        "(oldSelf.hasValue() && oldSelf.value().metadata.name == self.metadata.name) "
+        f"|| {check}"
+    )
+
+
+def root_rules() -> list[dict[str, object]]:
     """CEL on the whole object (only there can a rule read metadata.name). No fieldPath: the
     schema may not describe metadata, so the message names the field itself."""
     why = (
@@ -141,15 +151,17 @@ def root_rules() -> list[dict[str, str]]:
     )
     return [
         {
-            "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+            "rule": _for_new_names(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}"),
             "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: {why}",
             "reason": "FieldValueInvalid",
+            "optionalOldSelf": True,
         },
         {
-            "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+            "rule": _for_new_names(f"self.metadata.name.matches('{NAME_PATTERN}')"),
             "message": "metadata.name must be lowercase letters, digits and '-', start with a "
             f"letter and end with a letter or digit (no dots): {why}",
             "reason": "FieldValueInvalid",
+            "optionalOldSelf": True,
         },
     ]
 

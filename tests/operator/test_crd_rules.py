@@ -38,13 +38,26 @@ def escaped(value: Any) -> Any:
     return value
 
 
+# optionalOldSelf's Optional, as a list of zero (a create) or one value: its two methods.
+_OPTIONAL = {
+    "hasValue": lambda o: celpy.celtypes.BoolType(len(o) > 0),
+    "value": lambda o: o[0] if o else celpy.CELEvalError("optional.none() has no value"),
+}
+
+
 @functools.cache
 def _program(rule: str) -> celpy.Runner:
-    return _ENV.program(_ENV.compile(rule))
+    return _ENV.program(_ENV.compile(rule), functions=_OPTIONAL)
 
 
-def holds(rule: str, value: Any) -> bool:
-    return bool(_program(rule).evaluate({"self": celpy.json_to_cel(escaped(value))}))
+def holds(rule: str, value: Any, old: Any = None) -> bool:
+    """`rule` on a create (`old` None) or on an update from `old`."""
+    olds = [] if old is None else [celpy.json_to_cel(escaped(old))]
+    return bool(
+        _program(rule).evaluate(
+            {"self": celpy.json_to_cel(escaped(value)), "oldSelf": celpy.celtypes.ListType(olds)}
+        )
+    )
 
 
 def defaulted(schema: dict[str, Any], value: Any) -> Any:
