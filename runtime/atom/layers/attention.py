@@ -22,6 +22,7 @@ from atom.cudagraph.region_graph import eager_region
 from atom.kernels import tuning
 from atom.kernels.paged_attention_torch import paged_attention_torch, write_kv_torch
 from atom.kernels.rotary import Rope, apply_rotary
+from atom.layers.linear import Linear
 from atom.layers.norm_linear import project
 from atom.layers.rotary import RotaryEmbedding
 from atom.utils.forward_context import AttentionMetaData, get_forward_context, launch_rows
@@ -46,7 +47,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor | None = None,
-                rotary: RotaryEmbedding | None = None, o_proj: nn.Module | None = None,
+                rotary: RotaryEmbedding | None = None, o_proj: Linear | None = None,
                 residual: torch.Tensor | None = None, overlap: bool = False) -> torch.Tensor:
         """Attention over q, k, v ([T, heads * head_dim], strided views allowed). With
         positions and rotary, q and k are unrotated: the op rotates them (on CUDA inside the
@@ -85,6 +86,9 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             output: torch.Tensor, meta: AttentionMetaData, rope: Rope | None,
             proj: OutputProjection | None, overlap: bool) -> bool:
     """Attention into output; True when proj was written too (the fused decode launch)."""
+    slots, lens, tables = meta.slot_mapping, meta.context_lens, meta.block_tables
+    # The runner fills these for every step that has a cache to attend to.
+    assert slots is not None and lens is not None and tables is not None
     if q.is_cuda:
         from atom.kernels import triton_attention as tk
         from atom.kernels import triton_decode_o_proj as fused
@@ -97,36 +101,38 @@ def _attend(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             # A verify's rows read the keys of the rows before them (launched alongside): all
             # are stored first. The decode kernel still folds in its own key from registers,
             # as in plain decode, and stores it again (the same values).
-            tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, rope)
+            tk.store_kv_triton(k, v, layer.k_cache, layer.v_cache, slots, rope)
             overlap = overlap and verify is None  # the launch reads what the store wrote
-        new_kv = tk.StepKV(k, v, meta.slot_mapping) if fused_store else None
+        new_kv = tk.StepKV(k, v, slots) if fused_store else None
         if (fused_store and proj is not None and tuning.FUSED_DECODE_O_PROJ
                 and launch_rows(q.shape[0]) == tuning.FUSED_O_PROJ_ROWS
                 and q.shape[0] <= tuning.GEMV_MAX_ROWS):
             fused.decode_attention_o_proj_triton(
-                q, layer.k_cache, layer.v_cache, output, meta.context_lens, meta.block_tables,
+                q, layer.k_cache, layer.v_cache, output, lens, tables,
                 layer.scale, layer.num_heads, proj.weight, proj.bias, proj.residual, proj.out,
                 num_splits=verify, rope=rope, new_kv=new_kv, overlap=overlap)
             return True
         if decode:
-            tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.context_lens,
-                                       meta.block_tables, layer.scale, layer.num_heads,
+            tk.decode_attention_triton(q, layer.k_cache, layer.v_cache, output, lens,
+                                       tables, layer.scale, layer.num_heads,
                                        num_splits=verify, rope=rope, new_kv=new_kv,
                                        overlap=overlap and fused_store)
             return False
         if meta.num_rows < q.shape[0]:
             output[meta.num_rows:].zero_()  # padding rows belong to no sequence
+        assert meta.cu_seqlens_q is not None  # a prefill step's row offsets
         tk.prefill_attention_triton(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
-                                    meta.context_lens, meta.block_tables, layer.scale,
+                                    lens, tables, layer.scale,
                                     layer.num_heads, meta.num_seqs, meta.max_seqlen_q, rope=rope,
                                     max_seqlen_k=meta.max_seqlen_k)
         return False
     if rope is not None:
         q = apply_rotary(q, rope.positions, rope.cos, rope.sin, layer.head_dim)
         k = apply_rotary(k, rope.positions, rope.cos, rope.sin, layer.head_dim)
-    write_kv_torch(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+    write_kv_torch(k, v, layer.k_cache, layer.v_cache, slots)
+    assert meta.cu_seqlens_q is not None
     paged_attention_torch(q, layer.k_cache, layer.v_cache, output, meta.cu_seqlens_q,
-                          meta.context_lens, meta.block_tables, layer.scale, layer.num_heads)
+                          lens, tables, layer.scale, layer.num_heads)
     return False
 
 
@@ -137,6 +143,7 @@ def _verify_splits(layer: Attention, meta: AttentionMetaData) -> int | None:
         return None
     from atom.kernels import triton_attention as tk
 
+    assert meta.block_tables is not None and meta.slot_mapping is not None  # as in _attend
     tiles = -(-meta.block_tables.shape[1] * layer.k_cache.shape[1] // tuning.DECODE_TILE_N)
     rows = launch_rows(meta.slot_mapping.shape[0])
     return tk.decode_num_splits(rows, layer.num_kv_heads, tiles)
@@ -178,7 +185,8 @@ def unified_attention_with_output(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError("unified_attention_with_output: o_weight and proj_out go together "
                          f"(o_weight {'given' if o_weight is not None else 'missing'}, "
                          f"proj_out {'given' if proj_out is not None else 'missing'})")
-    proj = OutputProjection(o_weight, o_bias, residual, proj_out) if o_weight is not None else None
+    proj = (OutputProjection(o_weight, o_bias, residual, proj_out)
+            if o_weight is not None and proj_out is not None else None)
     ctx = get_forward_context()
     layer = ctx.no_compile_layers[layer_id]
     meta = ctx.attn_metadata

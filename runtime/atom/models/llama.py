@@ -12,7 +12,7 @@ vocab-parallel. At TP = 1 the layers, kernels and fusions are those of the singl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -154,7 +154,7 @@ class LlamaModel(nn.Module):
         max_positions = _max_positions(atom_config, hf_config)
         tp = tp_state()
         check_tensor_parallel(hf_config, tp)
-        self.embed_tokens: nn.Module = (
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
             nn.Embedding(hf_config.vocab_size, hf_config.hidden_size) if tp.world_size == 1
             else VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                         tp.world_size, tp.rank))
@@ -173,6 +173,10 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """self.layers, typed (nn.ModuleList yields nn.Module)."""
+        return cast(list[LlamaDecoderLayer], list(self.layers))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -203,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         return tensor_parallel_all_gather(project(hidden_states, weight, None), dim=-1)
 
     def attention_layers(self) -> dict[int, Attention]:
-        return {layer.self_attn.attn.layer_id: layer.self_attn.attn for layer in self.model.layers}
+        return {layer.self_attn.attn.layer_id: layer.self_attn.attn for layer in self.model.decoder_layers()}
 
     def hf_weight_targets(self) -> dict[str, torch.Tensor]:
         """Hugging Face tensor name -> the tensor (or merged-weight view) it is copied into."""
@@ -222,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         out.update(whole("model.norm.weight", self.model.norm.weight))
         if not self.tie_word_embeddings:
             out.update(self.lm_head.weight_targets("lm_head"))
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers()):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for shard in ("q", "k", "v"):
