@@ -61,12 +61,13 @@ class OperatorProcess:
         self.log_dir = log_dir
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.argv = [sys.executable, "-m", "atom_operator.main"]  # the fault harness wraps it
 
     def start(self) -> None:
         self.starts += 1
         log = open(self.log_dir / f"operator-{self.starts}.log", "w")  # noqa: SIM115 (closed with the process)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "atom_operator.main"],
+            self.argv,
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
