@@ -108,9 +108,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `serve` only: the API server processes and their connections."""
     parser.add_argument("--api-server-count", type=_positive_int, default=1, help="API server processes sharing the port (SO_REUSEPORT) and one engine core")
-    parser.add_argument("--api-key", default=None, help="OpenAI endpoints (/v1/*) require 'Authorization: Bearer KEY' (default $ATOM_API_KEY)")
+    parser.add_argument("--api-key", default=None, help="OpenAI endpoints (/v1/*) and /status require 'Authorization: Bearer KEY' (default $ATOM_API_KEY)")
     parser.add_argument("--drain-seconds", type=_positive_float, default=30.0, help="on SIGTERM: how long in-flight requests may finish")
     parser.add_argument("--liveness-timeout", type=_positive_float, default=60.0, help="/livez fails when the engine loop made no progress for this long")
+    parser.add_argument("--stall-timeout", type=_positive_float, default=15.0, help="/health answers 503 engine_stalled when the engine core made no progress for this long while requests wait")
+    parser.add_argument("--stream-stall-timeout", type=_positive_float, default=45.0, help="open requests end with a 503 engine_stalled error when the engine core made no progress for this long")
     parser.add_argument("--keepalive-timeout", type=_positive_float, default=5.0, help="close a connection that sends no complete request for this long (idle or partial headers)")
     parser.add_argument("--body-timeout", type=_positive_float, default=30.0, help="answer 408 when a request body takes longer than this")
 

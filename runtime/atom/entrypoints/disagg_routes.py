@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from atom.disagg.handle import KVHandle
+from atom.entrypoints.admission import Slot
 from atom.entrypoints.generation import Outcome, ends_at_first_token, generate, new_request_id
 from atom.entrypoints.openai_format import OpenAIFormatter, dumps
 from atom.entrypoints.protocol import GenerationRequest
@@ -32,7 +33,7 @@ def release_quietly(state: ServerState, kv: Any) -> None:
 
 
 async def serve_prefill(
-    state: ServerState, req: GenerationRequest, chat: bool, outcome: Outcome
+    state: ServerState, req: GenerationRequest, chat: bool, outcome: Outcome, slot: Slot
 ) -> web.Response:
     """Run the prompt, sample its first token, keep its blocks; answer with the KV handle."""
     kv = state.kv
@@ -47,7 +48,7 @@ async def serve_prefill(
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     assert state.tokenizer is not None
     gen = generate(
-        state.engine, state.tokenizer, state.metrics, req, request_id, outcome, hold_kv=True
+        state.engine, state.tokenizer, state.metrics, req, request_id, outcome, slot, hold_kv=True
     )
     try:  # the hold cap is the core's: a refusal comes back as 503 kv_hold_cap
         async with aclosing(gen):

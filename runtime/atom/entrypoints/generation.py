@@ -16,12 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atom.engine.params import SamplingParams
-from atom.entrypoints.core.client import CoreClient, EngineDead, RequestRefused, RequestStream
+from atom.entrypoints.admission import Slot
+from atom.entrypoints.core.client import (
+    CoreClient,
+    EngineDead,
+    EngineStalled,
+    RequestRefused,
+    RequestStream,
+)
 from atom.entrypoints.metrics import ServerMetrics
 from atom.entrypoints.protocol import GenerationRequest
 from atom.tokenizer import BaseTokenizer, IncrementalDetokenizer, StopStringChecker
 from atom.wire.api_error import APIError
-from atom.wire.errors import ENGINE_UNAVAILABLE, INVALID_REQUEST
+from atom.wire.errors import ENGINE_STALLED, ENGINE_UNAVAILABLE, INVALID_REQUEST
 
 
 @dataclass(slots=True)
@@ -82,10 +89,12 @@ async def generate(
     req: GenerationRequest,
     request_id: str,
     outcome: Outcome,
+    slot: Slot | None = None,
     **opts: Any,
 ) -> AsyncIterator[Delta]:
     """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
-    for P/D roles. The tokenizer's EOS ids play no part here: the engine applies its own."""
+    for P/D roles. The tokenizer's EOS ids play no part here: the engine applies its own.
+    slot: the request's --max-waiting slot, given back at its first token (or its end)."""
     stream = submit(engine, req, request_id, **opts)
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringChecker(req.stop)
@@ -104,11 +113,15 @@ async def generate(
                     code=exc.code,
                     param="kv_transfer" if exc.code.startswith("kv_") else None,
                 ) from None
+            except EngineStalled as exc:  # no progress for --stream-stall-timeout
+                raise APIError(503, str(exc), code=ENGINE_STALLED) from None
             except EngineDead as exc:  # the engine failed, died or is shutting down
                 raise APIError(503, str(exc), code=ENGINE_UNAVAILABLE) from None
             now = time.monotonic()
             n = len(out.tokens)
             if n:
+                if slot is not None:
+                    slot.release()  # no longer waiting
                 if last_token_at is None:
                     metrics.ttft.observe(now - stream.arrival)
                     if n > 1:  # tokens that came together with the first
@@ -137,9 +150,12 @@ async def generate(
                 cached_tokens=out.num_cached_tokens,
                 kv_secret=out.kv_secret,
             )
-        metrics.generation_tokens.inc(completion_tokens)
         metrics.e2e.observe(time.monotonic() - stream.arrival)
         outcome.finish_reason = finish_reason if finish_reason != "abort" else None
     finally:
+        # Every generated token is counted, a request's that was aborted or failed too.
+        metrics.generation_tokens.inc(completion_tokens)
+        if slot is not None:
+            slot.release()
         if finish_reason is None:  # cancelled (client gone) or failed: free the sequence
             engine.abort(request_id)

@@ -26,6 +26,7 @@ from atom.config import Config
 from atom.entrypoints.core.engine_core import CoreEndpoints
 from atom.entrypoints.core.process import KVSettings, remove_endpoints
 from atom.wire.kv_modes import DEFAULT_KV_PORT
+from atom.wire.trust import TOKEN_ENV, internal_token
 
 if TYPE_CHECKING:
     from atom.entrypoints.core.client import CoreClient
@@ -46,6 +47,8 @@ class ServeSettings:
     api_key: str | None  # --api-key, else $ATOM_API_KEY
     body_timeout: float
     liveness_timeout: float
+    stall_timeout: float  # /health 503 engine_stalled after this long without progress
+    stream_stall_timeout: float  # ...and open streams end after this long
     keepalive_timeout: float
     drain_seconds: float
     api_server_count: int
@@ -61,6 +64,8 @@ class ServeSettings:
             api_key=args.api_key or os.environ.get("ATOM_API_KEY") or None,
             body_timeout=args.body_timeout,
             liveness_timeout=args.liveness_timeout,
+            stall_timeout=args.stall_timeout,
+            stream_stall_timeout=args.stream_stall_timeout,
             keepalive_timeout=args.keepalive_timeout,
             drain_seconds=args.drain_seconds,
             api_server_count=args.api_server_count,
@@ -102,6 +107,8 @@ def _state(settings: ServeSettings, config: Config, engine: CoreClient, index: i
         api_key=settings.api_key,
         body_timeout=settings.body_timeout,
         liveness_timeout=settings.liveness_timeout,
+        stall_timeout=settings.stall_timeout,
+        stream_stall_timeout=settings.stream_stall_timeout,
         api_server_index=index,
         api_server_count=settings.api_server_count,
     )
@@ -134,11 +141,22 @@ def _tune_process() -> None:
         pass
 
 
+def check_internal_token(role: str) -> None:
+    """A prefill or decode instance without ATOM_INTERNAL_TOKEN would refuse every request a
+    router sends it (403 on kv_transfer) while looking healthy: refuse to start instead."""
+    if role in ("prefill", "decode") and internal_token() is None:
+        raise ValueError(
+            f"--role {role} needs {TOKEN_ENV} (the secret shared with the router; the operator "
+            "mounts it from the <deployment>-internal-token Secret)"
+        )
+
+
 def run_serve(args: argparse.Namespace, config: Config) -> int:
     from atom.entrypoints.api_server import serve
     from atom.entrypoints.core.client import ProcessCore
     from atom.entrypoints.core.process import CoreSpec, new_endpoints
 
+    check_internal_token(config.role)
     settings = ServeSettings.from_args(args)
     if settings.api_server_count > 1 and settings.port == 0:
         raise ValueError("--api-server-count > 1 needs a fixed --port (the servers share it)")

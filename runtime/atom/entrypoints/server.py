@@ -1,5 +1,8 @@
 """The aiohttp application: OpenAI-compatible routes, /health, /livez, /metrics, /status.
 
+With an API key set, /v1/* and /status need it; the probes (/health, /livez) and /metrics
+stay open. Every 429 and 503 carries Retry-After.
+
 Handlers are thin: validate (protocol), run `generate()` against the engine core's client,
 format the OpenAI wire format (openai_format). Every client-caused failure is an APIError
 answered with its status and an OpenAI error body. P/D branches live in disagg_routes.
@@ -8,15 +11,16 @@ answered with its status and an OpenAI error body. P/D branches live in disagg_r
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
+from atom.entrypoints.admission import Slot
 from atom.entrypoints.disagg_routes import decode_options, release_quietly, serve_prefill
 from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
 from atom.entrypoints.info import prefix_cache_info
@@ -27,10 +31,11 @@ from atom.entrypoints.protocol import GenerationRequest, chat_request, completio
 from atom.entrypoints.state import ServerState
 from atom.wire import errors as codes
 from atom.wire.api_error import APIError
+from atom.wire.auth import bearer_matches
 from atom.wire.body import parse_object, read_body
 from atom.wire.kv_modes import KVMode, parse_mode
 from atom.wire.middleware import json_errors
-from atom.wire.trust import is_internal
+from atom.wire.trust import is_internal, token_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/livez", livez)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)
@@ -75,11 +81,11 @@ def _count(request: web.Request, status: int) -> None:
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """OpenAI endpoints need the key; probes, /metrics and /status stay open."""
+    """OpenAI endpoints and /status (the whole config) need the key; the probes and /metrics
+    stay open."""
     key = request.app[STATE_KEY].api_key
-    if key and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    if key and (request.path.startswith("/v1/") or request.path == "/status"):
+        if not bearer_matches(request.headers.get("Authorization", ""), key):
             raise APIError(
                 401,
                 "invalid or missing API key (Authorization: Bearer <key>)",
@@ -89,22 +95,49 @@ async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamRe
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=dumps(body), status=status, content_type="application/json")
+    return web.Response(
+        body=dumps(body),
+        status=status,
+        content_type="application/json",
+        headers=codes.retry_headers(status),
+    )
 
 
 # ---- probes and introspection -------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
+    """Readiness. A prober that sends X-Atom-Internal-Token (the router) is told whether it
+    matches this instance's ATOM_INTERNAL_TOKEN ("internal_token")."""
     state = request.app[STATE_KEY]
+    body = _readiness(state)
+    verdict = token_verdict(request.headers)
+    if verdict is not None:
+        body["internal_token"] = verdict
+    return _json(body, 200 if body["status"] == "ok" else 503)
+
+
+def _readiness(state: ServerState) -> dict[str, Any]:
     engine = state.engine
     if engine.state == "failed":  # why, while the server exits (e.g. which TP rank died)
-        return _json({"status": "failed", "reason": engine.reason}, 503)
+        return {"status": "failed", "reason": engine.reason}
     if state.draining:
-        return _json({"status": "draining", "reason": "server is shutting down"}, 503)
+        return {"status": "draining", "reason": "server is shutting down"}
     if not engine.is_ready:
-        return _json({"status": engine.state, "reason": engine.reason}, 503)
+        return {"status": engine.state, "reason": engine.reason}
     if state.tokenizer is None:
-        return _json({"status": "starting", "reason": "loading the tokenizer"}, 503)
-    return _json({"status": "ok"})
+        return {"status": "starting", "reason": "loading the tokenizer"}
+    stalled = _stall_reason(state)
+    if stalled is not None:
+        return {"status": codes.ENGINE_STALLED, "reason": stalled}
+    return {"status": "ok"}
+
+
+def _stall_reason(state: ServerState) -> str | None:
+    """Why the engine counts as stalled (--stall-timeout), or None."""
+    engine = state.engine
+    if engine.stalled_for(state.stall_timeout) is None:
+        return None
+    quiet = max(0.0, time.monotonic() - engine.last_seen)
+    return f"the engine core made no progress for {quiet:.0f}s while requests wait"
 
 
 async def livez(request: web.Request) -> web.Response:
@@ -117,8 +150,26 @@ async def livez(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [_model_card(request.app[STATE_KEY])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model's card; 404 model_not_found for any other."""
     state = request.app[STATE_KEY]
-    card = {
+    model_id = request.match_info["model_id"]
+    if model_id != state.served_model_name:
+        raise APIError(
+            404,
+            f"The model '{model_id[:200]}' does not exist (this server serves "
+            f"'{state.served_model_name}')",
+            param="model",
+            code=codes.MODEL_NOT_FOUND,
+        )
+    return _json(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    card: dict[str, Any] = {
         "id": state.served_model_name,
         "object": "model",
         "created": int(state.started),
@@ -127,7 +178,7 @@ async def models(request: web.Request) -> web.Response:
     }
     if state.max_model_len:
         card["max_model_len"] = state.max_model_len
-    return _json({"object": "list", "data": [card]})
+    return card
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -162,6 +213,9 @@ async def status(request: web.Request) -> web.Response:
         "prefix_cache": prefix_cache_info(engine.last_stats),
         "counters": engine.last_stats.get("counters", {}),
         "in_flight": len(engine.streams),
+        "waiting_admitted": state.admission.waiting,  # slots taken under --max-waiting
+        "max_waiting": state.max_waiting,
+        "stalled": _stall_reason(state),
         "steps": engine.steps,
     }
     if state.kv is not None:
@@ -172,18 +226,16 @@ async def status(request: web.Request) -> web.Response:
 
 
 # ---- generation ---------------------------------------------------------------------------------
-def _admit(state: ServerState) -> None:
+def _admit(state: ServerState) -> Slot:
+    """A --max-waiting slot (taken before the first await), or why not: 503 or 429."""
     if state.draining:
         raise APIError(503, "server is shutting down", code=codes.SHUTTING_DOWN)
     if not state.ready:
         raise APIError(503, f"not ready: {state.engine.reason}", code=codes.NOT_READY)
-    waiting = state.engine.num_waiting()
-    if waiting >= state.max_waiting:
-        raise APIError(
-            429,
-            f"too many waiting requests ({waiting} >= --max-waiting {state.max_waiting}); retry later",
-            code=codes.RATE_LIMIT_EXCEEDED,
-        )
+    stalled = _stall_reason(state)
+    if stalled is not None:
+        raise APIError(503, stalled, code=codes.ENGINE_STALLED)
+    return state.admission.admit()
 
 
 async def _body(request: web.Request, timeout: float) -> dict[str, Any]:
@@ -213,14 +265,19 @@ async def _generation(request: web.Request, chat: bool) -> web.StreamResponse:
     m = state.metrics
     m.received.inc()
     outcome = Outcome()
+    slot: Slot | None = None
     try:
-        resp = await _generate(request, state, chat, outcome)
+        slot = _admit(state)
+        resp = await _generate(request, state, chat, outcome, slot)
     except APIError as exc:
         m.failed.labels(status=str(exc.status)).inc()
         raise
     except BaseException:  # cancelled: the client went away
         m.requests.labels(endpoint=_endpoint(chat), finish_reason="abort").inc()
         raise
+    finally:
+        if slot is not None:  # finished, failed or aborted before its first token
+            slot.release()
     if outcome.error_status is not None:
         m.failed.labels(status=str(outcome.error_status)).inc()
     else:
@@ -235,9 +292,8 @@ def _endpoint(chat: bool) -> str:
 
 
 async def _generate(
-    request: web.Request, state: ServerState, chat: bool, outcome: Outcome
+    request: web.Request, state: ServerState, chat: bool, outcome: Outcome, slot: Slot
 ) -> web.StreamResponse:
-    _admit(state)
     body = await _body(request, state.body_timeout)
     if "kv_transfer" in body and not is_internal(request.headers):  # atom.wire.trust
         raise APIError(
@@ -270,12 +326,12 @@ async def _generate(
             release_quietly(state, kv)
         raise
     if kv is None:
-        return await _serve(request, state, req, chat, outcome)
+        return await _serve(request, state, req, chat, outcome, slot)
     if mode is KVMode.PREFILL:
-        return await serve_prefill(state, req, chat, outcome)
+        return await serve_prefill(state, req, chat, outcome, slot)
     if mode is KVMode.DECODE:
         opts = decode_options(state, req, kv)
-        return await _serve(request, state, req, chat, outcome, **opts)
+        return await _serve(request, state, req, chat, outcome, slot, **opts)
     raise APIError(
         400,
         "kv_transfer.mode must be 'prefill' or 'decode'",
@@ -290,11 +346,14 @@ async def _serve(
     req: GenerationRequest,
     chat: bool,
     outcome: Outcome,
+    slot: Slot,
     **opts: Any,
 ) -> web.StreamResponse:
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     assert state.tokenizer is not None
-    gen = generate(state.engine, state.tokenizer, state.metrics, req, request_id, outcome, **opts)
+    gen = generate(
+        state.engine, state.tokenizer, state.metrics, req, request_id, outcome, slot, **opts
+    )
     fmt = OpenAIFormatter(state.tokenizer, request_id, req, chat)
     pid = {PID_HEADER: str(os.getpid())}
     async with aclosing(gen):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from atom.disagg.handle import KVHandle
 from atom.disagg.layout import KVLayout
+from atom.entrypoints.admission import Admission
 from atom.entrypoints.core.client import CoreClient
 from atom.entrypoints.core.messages import EngineInfo, KVInfo
 from atom.entrypoints.metrics import ServerMetrics
@@ -95,6 +96,10 @@ class ServerState:
     api_key: str | None = None  # --api-key / ATOM_API_KEY: /v1/* need "Bearer <key>"
     body_timeout: float = 30.0
     liveness_timeout: float = 60.0
+    # /health answers 503 engine_stalled once the core is silent this long while requests
+    # wait; open streams end after stream_stall_timeout (atom.entrypoints.core.client).
+    stall_timeout: float = 15.0
+    stream_stall_timeout: float = 45.0
     api_server_index: int = 0
     api_server_count: int = 1
     started: float = field(default_factory=time.time)
@@ -103,8 +108,11 @@ class ServerState:
     # no blocks (atom.entrypoints.generation.ends_at_first_token).
     eos_token_ids: frozenset[int] = frozenset()
     metrics: ServerMetrics = field(init=False)
+    admission: Admission = field(init=False)  # --max-waiting
 
     def __post_init__(self) -> None:
+        self.admission = Admission(self.max_waiting)
+        self.engine.stream_stall_timeout = self.stream_stall_timeout
         self.metrics = ServerMetrics(
             stats=lambda: self.engine.last_stats,
             counters=lambda: {},  # the counters live in the core; they come in its stats

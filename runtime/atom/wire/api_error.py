@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from atom.wire.errors import ERROR_TYPES, error_body, error_type
+from atom.wire.errors import ERROR_TYPES, RETRY_AFTER_S, error_body, error_type, retry_headers
 
 __all__ = ["ERROR_TYPES", "APIError", "bad_request"]
 
@@ -25,8 +25,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str | None = None,
+        retry_after: int = RETRY_AFTER_S,
     ) -> None:
         super().__init__(message)
+        self.retry_after = retry_after  # Retry-After seconds of a 429 or 503
         self.status = status
         self.message = message
         self.param = param
@@ -38,7 +40,10 @@ class APIError(Exception):
 
     def response(self) -> web.Response:
         return web.Response(
-            body=orjson.dumps(self.body()), status=self.status, content_type="application/json"
+            body=orjson.dumps(self.body()),
+            status=self.status,
+            content_type="application/json",
+            headers=retry_headers(self.status, self.retry_after),
         )
 
 

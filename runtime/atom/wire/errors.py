@@ -41,6 +41,18 @@ KV_TRANSFER_FAILED = "kv_transfer_failed"
 KV_VERSION_MISMATCH = "kv_version_mismatch"
 KV_TRANSFER_FORBIDDEN = "kv_transfer_forbidden"
 KV_HOLD_CAP = "kv_hold_cap"
+ENGINE_STALLED = "engine_stalled"
+MODEL_NOT_FOUND = "model_not_found"
+KV_TOKEN_MISMATCH = "kv_token_mismatch"
+
+# Seconds a client is told to wait (Retry-After) before retrying a 429 or a 503.
+RETRY_AFTER_S = 1
+RETRY_STATUSES = (429, 503)
+
+
+def retry_headers(status: int, seconds: int = RETRY_AFTER_S) -> dict[str, str]:
+    """{"Retry-After": ...} for a status worth retrying (429, 503), else {}."""
+    return {"Retry-After": str(seconds)} if status in RETRY_STATUSES else {}
 
 
 def error_type(status: int) -> str:

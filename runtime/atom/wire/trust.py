@@ -39,6 +39,17 @@ def is_internal(headers: Mapping[str, str], token: str | None = None) -> bool:
     return hmac.compare_digest(sent.encode(), token.encode())
 
 
+def token_verdict(headers: Mapping[str, str]) -> str | None:
+    """What /health tells a prober that sent X-Atom-Internal-Token: "match", "mismatch", or
+    "unset" (this instance has none); None when the header was not sent. Says no more than a
+    kv_transfer's 403 would, and compares in constant time."""
+    if headers.get(TOKEN_HEADER) is None:
+        return None
+    if internal_token() is None:
+        return "unset"
+    return "match" if is_internal(headers) else "mismatch"
+
+
 def internal_headers(token: str) -> dict[str, str]:
     return {TOKEN_HEADER: token}
 

@@ -37,6 +37,10 @@ class EngineDead(RuntimeError):
     """The engine core failed, died or is shutting down; in-flight requests fail with this."""
 
 
+class EngineStalled(EngineDead):
+    """The core made no progress for the stream stall timeout while this request waited."""
+
+
 class RequestRefused(Exception):
     """The core refused one request (its status, OpenAI code and message)."""
 
@@ -177,7 +181,11 @@ class CoreClient:
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
         self.busy = False
-        self.last_seen = time.monotonic()
+        self.last_seen = time.monotonic()  # the core's last message: its loop moved
+        # Open streams end with EngineStalled once the core has been silent this long while
+        # they wait (None: never); set by the server (--stream-stall-timeout).
+        self.stream_stall_timeout: float | None = None
+        self._stalled_at: float | None = None  # last_seen when a stall was declared
         self.streams: dict[str, RequestStream] = {}
         self.ready = asyncio.Event()
         self.failed = asyncio.Event()
@@ -249,6 +257,28 @@ class CoreClient:
         if self.state == "ready" and quiet > timeout_s:
             return f"the engine loop sent nothing for {quiet:.0f}s (hung?)"
         return None
+
+    def stalled_for(self, timeout_s: float) -> float | None:
+        """None while the core is not stalled; else how long our oldest waiting request has
+        waited on it (0 when none waits). Stalled: silent for timeout_s while a request of
+        ours waited, and silent ever since (a SIGSTOPped or wedged core). Silence before the
+        request arrived does not count: an idle core may be stopped unseen."""
+        if self.state != "ready":
+            return None
+        now = time.monotonic()
+        quiet = now - self.last_seen
+        sticky = self._stalled_at == self.last_seen  # declared, and nothing came since
+        if not sticky and (quiet < timeout_s or not self.streams):
+            return None
+        oldest = min((s.arrival for s in self.streams.values()), default=now)
+        waited = now - max(self.last_seen, oldest)
+        if sticky:
+            return waited
+        if waited < timeout_s:
+            return None
+        self._stalled_at = self.last_seen
+        logger.error("the engine core has sent nothing for %.0fs while requests wait", quiet)
+        return waited
 
     # ---- requests -------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
@@ -402,6 +432,7 @@ class CoreClient:
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_S)
+            self._cut_if_stalled()
             gone = self.core_exit()
             if gone is not None and self.state != "stopped":
                 if self.state != "failed":
@@ -410,6 +441,17 @@ class CoreClient:
                 self._fail_all(EngineDead(self.reason))
                 self.failed.set()
                 return
+
+
+    def _cut_if_stalled(self) -> None:
+        limit = self.stream_stall_timeout
+        waited = self.stalled_for(limit) if limit is not None and self.streams else None
+        if limit is None or waited is None or waited < limit:
+            return
+        logger.error("ending %d open request(s): the engine made no progress", len(self.streams))
+        self.cut_all(EngineStalled(
+            f"the engine made no progress for {waited:.0f}s (stalled); the request was ended"
+        ))  # fmt: skip
 
 
 class ProcessCore(CoreClient):
