@@ -401,7 +401,9 @@ def test_prefill_dying_mid_request_is_503_and_the_next_go_elsewhere() -> None:
             assert first.status_code == 503
             err = first.json()["error"]
             assert err["code"] == "prefill_failed" and err["type"] == "service_unavailable"
-            assert f"prefill instance {env.urls[p1]} failed during the request" in err["message"]
+            # named as the router names it, never by its address (issue 48)
+            assert "prefill-1 failed during the request" in err["message"]
+            assert env.urls[p1] not in err["message"] and "127.0.0.1" not in err["message"]
             for _ in range(3):
                 assert (await complete(c, router)).status_code == 200
         assert len(p1.bodies) == 1 and len(p2.bodies) == 3
@@ -455,7 +457,10 @@ def test_decode_failure_before_and_after_the_first_byte() -> None:
             )
             r = await complete(c, router)
             assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed"
-            assert "KV transfer from 1.2.3.4:8001 failed" in r.json()["error"]["message"]
+            # the decode's reason, without the prefill's KV address (internal topology)
+            assert "KV transfer from <internal> failed" in r.json()["error"]["message"]
+            assert "1.2.3.4" not in r.json()["error"]["message"]
+            assert r.headers["Retry-After"] == "1"
             d.decode_error = (409, {"message": "model identity differs", "code": "kv_mismatch"})
             r = await complete(c, router)
             assert r.status_code == 409 and r.json()["error"]["code"] == "kv_mismatch"
@@ -472,7 +477,8 @@ def test_decode_failure_before_and_after_the_first_byte() -> None:
             events = [line for line in lines if line]
             assert events[-1] == "data: [DONE]"
             err = json.loads(events[-2].removeprefix("data: "))["error"]
-            assert err["code"] == "decode_failed" and env.urls[d] in err["message"]
+            assert err["code"] == "decode_failed" and "decode-1 failed" in err["message"]
+            assert env.urls[d] not in err["message"]
 
     settings = RouterSettings(
         health_interval=0.1, health_timeout=0.2, read_timeout=1.0, internal_token=TOKEN
@@ -661,7 +667,7 @@ def test_failure_reasons_are_bounded_and_do_not_nest() -> None:
                 r = await complete(c, router)
                 err = r.json()["error"]
                 assert r.status_code == 503 and len(err["message"]) < 400
-                assert err["message"].count("decode instance") == 1
+                assert err["message"].count("decode-1") == 1
             d.decode_error = None
             d.drop = True
             r = await complete(c, router)

@@ -1,6 +1,7 @@
 """Health probes: each instance's /health, on a loop and on demand (the router's own /health).
 
-200 puts an instance in rotation. Any other answer (503 while starting or `draining`), a
+200 puts an instance in rotation, unless its /health says it refuses the router's internal
+token (`internal_token`: mismatch or unset): that instance is out, with the reason. Any other answer (503 while starting or `draining`), a
 refused or reset probe, or `out_after` probe timeouts in a row take it out of rotation: no new
 requests go there, and the ones in flight carry on (they end only if their own connection
 fails). "Busy" is told from "dead" by progress: an instance whose requests in flight sent bytes
@@ -19,6 +20,14 @@ import aiohttp
 from atom.router.pool import Instance, Pool, bounded
 
 logger = logging.getLogger(__name__)
+
+# What an instance's /health says of the X-Atom-Internal-Token we sent, when it refuses it.
+TOKEN_REFUSED = {
+    "mismatch": "internal token mismatch: the instance's ATOM_INTERNAL_TOKEN differs from the "
+    "router's (it would refuse every kv_transfer)",
+    "unset": "internal token missing: the instance has no ATOM_INTERNAL_TOKEN (it would "
+    "refuse every kv_transfer)",
+}
 
 
 async def probe(
@@ -39,7 +48,10 @@ async def probe(
                 detail = await r.json()
             except (aiohttp.ContentTypeError, ValueError):
                 detail = {}
-        if status == 200:
+        verdict = detail.get("internal_token")
+        if verdict in TOKEN_REFUSED:  # it would 403 every kv_transfer we send it
+            inst.failed(TOKEN_REFUSED[verdict])
+        elif status == 200:
             inst.passed()
         else:
             reason = detail.get("reason") or detail.get("status") or f"/health answered {status}"

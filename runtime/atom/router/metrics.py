@@ -9,13 +9,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from atom.router.capacity import Capacity
 from atom.router.pool import Pool
 
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
-    def __init__(self, pools: list[Pool]) -> None:
+    def __init__(self, pools: list[Pool], rooms: list[Capacity] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "atom_router_requests",
@@ -67,12 +68,12 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "atom_router_requests_in_flight", "Requests inside the router", registry=self.registry
         )
-        self.registry.register(_PoolCollector(pools))
+        self.registry.register(_PoolCollector(pools, rooms or []))
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pools: list[Pool]) -> None:
-        self._pools = pools
+    def __init__(self, pools: list[Pool], rooms: list[Capacity]) -> None:
+        self._pools, self._rooms = pools, rooms
 
     def collect(self) -> Iterator[Any]:
         outstanding = GaugeMetricFamily(
@@ -91,3 +92,11 @@ class _PoolCollector(Collector):
                 healthy.add_metric([pool.role, inst.url], 1.0 if inst.in_rotation else 0.0)
         yield outstanding
         yield healthy
+        waiting = GaugeMetricFamily(
+            "atom_router_waiting_for_room",
+            "Requests held while every instance of the role is busy (hold cap, queue bound)",
+            labels=["role"],
+        )
+        for room in self._rooms:
+            waiting.add_metric([room.role], room.waiting)
+        yield waiting

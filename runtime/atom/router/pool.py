@@ -38,6 +38,7 @@ class Instance:
     url: str
     role: str
     target: str  # what it came from (a URL or a DNS name)
+    name: str = ""  # what clients are told (prefill-1): never the URL
     healthy: bool | None = None  # None: not probed yet (in rotation, optimistically)
     reason: str = "not probed yet"
     outstanding: int = 0
@@ -126,10 +127,11 @@ class Pool:
         self._names: list[tuple[str, str, int]] = []  # (target, host, port) to resolve
         self._resolver = resolver
         self._picks = itertools.count(1)
+        self._numbers = itertools.count(1)
         for spec in self.targets:
             url, host, port = parse_target(spec)
             if url is not None:
-                self.instances[url] = Instance(url, role, spec)
+                self.instances[url] = self._new(url, spec)
             else:
                 self._names.append((spec, host, port))
 
@@ -144,12 +146,19 @@ class Pool:
                 continue
             fresh = {_url(a, port) for a in addrs}
             for url in fresh - self.instances.keys():
-                logger.info("%s instance %s joined (from %s)", self.role, url, spec)
-                self.instances[url] = Instance(url, self.role, spec)
+                inst = self.instances[url] = self._new(url, spec)
+                logger.info("%s instance %s (%s) joined (from %s)", self.role, inst.name, url, spec)
             for url, inst in list(self.instances.items()):
                 if inst.target == spec and url not in fresh:
                     logger.info("%s instance %s left (not in %s any more)", self.role, url, spec)
                     del self.instances[url]
+
+    def _new(self, url: str, target: str) -> Instance:
+        return Instance(url, self.role, target, name=f"{self.role}-{next(self._numbers)}")
+
+    @property
+    def hosts(self) -> set[str]:
+        return {i.host for i in self.instances.values()}
 
     def pick(self, exclude: set[Instance] | frozenset = frozenset()) -> Instance | None:
         ready = [i for i in self.instances.values() if i.in_rotation and i not in exclude]
@@ -159,11 +168,14 @@ class Pool:
         best.last_pick = next(self._picks)
         return best
 
-    def unavailable_reason(self) -> str:
+    def unavailable_reason(self, scrub: Callable[[str], str] = str) -> str:
+        """For a client: instances by name, their reasons passed through `scrub` (which takes
+        internal addresses out); the router's /status has the URLs."""
         if not self.instances:
-            return f"no {self.role} instance is known (nothing resolved from {self.targets})"
-        detail = "; ".join(f"{i.url}: {i.reason}" for i in list(self.instances.values())[:5])
-        more = len(self.instances) - 5
+            return f"no {self.role} instance is known (nothing resolved yet)"
+        insts = list(self.instances.values())
+        detail = "; ".join(f"{i.name}: {scrub(i.reason)}" for i in insts[:5])
+        more = len(insts) - 5
         return f"no healthy {self.role} instance ({detail}{f'; {more} more' if more > 0 else ''})"
 
     @contextmanager
