@@ -252,19 +252,22 @@ def suggested_name(name: str) -> str:
 
 def legacy_name(name: str) -> list[Problem]:
     """A name the CRD refuses for new objects, on an object created under an earlier CRD that
-    accepted it (the rule passes an unchanged name, so the object can still be patched): the
-    children named after it (the endpoint Service) cannot be created; say what to do."""
+    accepted it (the rule passes an unchanged name, so the object can still be patched): say
+    what to do. `status` puts it in Ready's message, and makes it Degraded's reason when a
+    child failed to apply (API servers that hold Service names to DNS-1035 refuse the endpoint
+    Service named after it)."""
     if len(name) <= MAX_NAME_LENGTH and re.match(NAME_PATTERN, name):
         return []
     return [
         Problem(
             "InvalidName",
             f"metadata.name {name!r} is not a DNS-1035 label (at most {MAX_NAME_LENGTH} "
-            "characters: lowercase letters, digits and '-', starting with a letter): it was "
-            "accepted by an earlier CRD, which the current one refuses for new objects, and "
-            "the children named after it (the endpoint Service) are refused. This object can "
-            "still be patched and deleted; to serve it, create a copy named "
-            f"{suggested_name(name)!r} (any valid name) and delete this one",
+            "characters: lowercase letters, digits and '-', starting with a letter): an "
+            "earlier CRD accepted it, the current one refuses it for new objects, and API "
+            "servers that hold Service names to DNS-1035 refuse the endpoint Service named "
+            "after it. This object can still be patched and deleted; to keep serving under a "
+            f"valid name, create a copy named {suggested_name(name)!r} (any valid name) and "
+            "delete this one",
         )
     ]
 

@@ -200,8 +200,9 @@ def compute_status(
         ready_roles += router_ok
 
     cache_status, cache_reason, cache_msg, found = cache_condition(spec, snap, plan, now)
+    legacy = problems.legacy_name(name)  # the likely cause when a child was refused
     found = problems.unique(
-        problems.legacy_name(name)
+        (legacy if apply_errors else [])
         + [Problem("ApplyFailed", e) for e in apply_errors or []]
         + found
         + problems.deployments(snap)
@@ -249,6 +250,8 @@ def compute_status(
                 [Problem(reason, msg)] + [Problem(reason, w.message) for w in waits]
             )
         progressing = ("True", reason, msg)
+    if legacy:  # said even while it serves: what to do before the name is needed again
+        ready = (ready[0], ready[1], f"{ready[2]}; {legacy[0].message}")
     degraded = (
         ("True", found[0].reason, problems.joined(found))
         if found

@@ -107,9 +107,22 @@ def test_the_reconcile_asks_to_look_again_when_a_grace_period_ends() -> None:
 
 def test_a_name_an_earlier_crd_accepted_says_what_to_do() -> None:
     st = status_of(NO_FIT, timedelta(0), name="7b-llama")
-    d = cond(st, "Degraded")
-    assert d["status"] == "True" and d["reason"] == "InvalidName"
-    assert "'atom-7b-llama'" in d["message"] and "delete this one" in d["message"]
+    ready = cond(st, "Ready")["message"]
+    assert "'atom-7b-llama'" in ready and "delete this one" in ready
+    assert cond(st, "Degraded")["status"] == "False"  # it may well serve: not a fault by itself
+    s = spec("unified")
+    plan = builders.plan(OWNER, s, IMAGE, Snapshot())
+    refused = compute_status(
+        name="7b-llama",
+        spec=s,
+        generation=1,
+        snap=Snapshot(),
+        plan=plan,
+        now=NOW,
+        apply_errors=["Service 7b-llama: a DNS-1035 label must start with a letter"],
+    )
+    d = cond(refused, "Degraded")
+    assert d["reason"] == "InvalidName" and "Service 7b-llama" in d["message"]
     assert problems.legacy_name("llama-7b") == []
     assert problems.suggested_name("My.Model_7B") == "my-model-7b"
     assert problems.suggested_name("x" * 70) == "x" * 63
