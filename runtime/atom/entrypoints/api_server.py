@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from atom.entrypoints.core.client import EngineDead
+from atom.entrypoints.metrics_merge import PUSH_S, snapshot
 from atom.entrypoints.server import ServerState, create_app
 from atom.wire.body import RUNNER_KWARGS
 
@@ -78,6 +79,7 @@ async def serve(
     await engine.start()
     if on_started is not None:
         on_started()
+    pusher = asyncio.create_task(_push_metrics(state)) if state.api_server_count > 1 else None
     waits = {
         asyncio.create_task(engine.failed.wait()),
         asyncio.create_task(stop.wait()),
@@ -86,6 +88,8 @@ async def serve(
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in waits:
         task.cancel()
+    if pusher is not None:
+        pusher.cancel()
     exit_code = 1 if (engine.failed.is_set() or fail.is_set()) else 0
     state.draining = True
     t0 = time.monotonic()
@@ -99,6 +103,13 @@ async def serve(
     await engine.stop()
     logger.info("shut down in %.2fs", time.monotonic() - t0)
     return exit_code
+
+
+async def _push_metrics(state: ServerState) -> None:
+    """--api-server-count > 1: this process' series to the core, for the others' scrapes."""
+    while True:
+        await asyncio.sleep(PUSH_S)
+        state.engine.push_metrics(snapshot(state.metrics.registry, state.api_server_index))
 
 
 def _once(stop: asyncio.Event, sig: signal.Signals) -> Callable[[], None]:

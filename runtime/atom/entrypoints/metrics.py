@@ -210,15 +210,18 @@ class ServerMetrics:
             LATENCY_BUCKETS,
             self.registry,
         )
-        self.registry.register(_EngineCollector(stats, counters, warmup))
         # This process' memory and CPU (the engine core exports atom_core_process_*).
         ProcessCollector(namespace="atom_api", registry=self.registry)
+        # The engine's series, from its Stats; with several API servers the core renders them
+        # itself (metrics_merge), so they stay out of `registry`, this process' own series.
+        self.engine_registry = CollectorRegistry()
+        self.engine_registry.register(EngineCollector(stats, counters, warmup))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.engine_registry)
 
 
-class _EngineCollector(Collector):
+class EngineCollector(Collector):
     """Reads the engine's gauges and the process-wide counters at scrape time."""
 
     def __init__(

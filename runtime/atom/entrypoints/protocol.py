@@ -304,7 +304,7 @@ def completion_request(
     body: dict[str, Any], tokenizer: Any, served: str, max_model_len: int, vocab_size: int
 ) -> GenerationRequest:
     precheck(body, max_model_len, chat=False)
-    ids = body.get("prompt")
+    ids: Any = body.get("prompt")  # the raw JSON value
     # A list of plain ints in the vocabulary (the common token-id prompt) is checked in C
     # here; pydantic then validates the rest, not 4,096 ids one by one (0.1 ms), and the
     # range loop below is skipped. Anything else takes the full path and its errors.

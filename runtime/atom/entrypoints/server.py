@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from atom.entrypoints import metrics_merge as merge_metrics
 from atom.entrypoints.admission import Slot
 from atom.entrypoints.disagg_routes import decode_options, release_quietly, serve_prefill
 from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
@@ -183,8 +184,32 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    body = state.metrics.render() + await state.engine.scrape()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    if state.api_server_count > 1:
+        return await _merged_metrics(state)
+    core = await state.engine.scrape()
+    body = state.metrics.render() + (core.text if core is not None else b"")
+    return web.Response(body=body, headers=_metrics_headers())
+
+
+async def _merged_metrics(state: ServerState) -> web.Response:
+    """--api-server-count > 1: every API server's series, summed (metrics_merge), and the
+    engine's, both through the core. Without the core's answer (warming up, stalled) there is
+    no consistent view to give: 503, and Prometheus records a failed scrape, not a reset."""
+    own = merge_metrics.snapshot(state.metrics.registry, state.api_server_index)
+    core = await state.engine.scrape(own)
+    if core is None:
+        raise APIError(
+            503,
+            "with several API servers /metrics is gathered through the engine core, which is "
+            f"not answering ({state.engine.state}: {state.engine.reason})",
+            code=codes.ENGINE_UNAVAILABLE,
+        )
+    body = merge_metrics.render([own, *core.peers]) + core.text
+    return web.Response(body=body, headers=_metrics_headers())
+
+
+def _metrics_headers() -> dict[str, str]:
+    return {"Content-Type": CONTENT_TYPE, PID_HEADER: str(os.getpid())}
 
 
 async def status(request: web.Request) -> web.Response:

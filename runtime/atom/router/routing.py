@@ -59,6 +59,7 @@ DECLINED = {
 # waits for room (capacity.py) rather than failing.
 BUSY = {codes.RATE_LIMIT_EXCEEDED, codes.KV_HOLD_CAP}
 MAX_BODY_BYTES = 32 * 1024 * 1024
+BACKEND_KEEPALIVE_S = 2.0
 API_KEY_ENV = "ATOM_API_KEY"
 
 
@@ -140,7 +141,10 @@ class Router:
         s = self.settings
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout),
-            connector=aiohttp.TCPConnector(limit=0),  # one connection per request in flight
+            # One connection per request in flight. An idle one is dropped well before the
+            # instances' --keepalive-timeout (5 s) closes it: reusing a connection the server
+            # is closing at that moment fails the request (seen under bursts).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S),
             headers=internal_headers(self.token),
         )
         for pool in self.pools.values():

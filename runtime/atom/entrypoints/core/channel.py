@@ -306,9 +306,9 @@ class AsyncOutbox:
             if self._closed:
                 transport.close()
                 return
-            self._transport = transport  # type: ignore[assignment]
+            self._transport = transport
             for data in self._early:
-                transport.write(data)  # type: ignore[attr-defined]
+                transport.write(data)
             self._early.clear()
             return
 

@@ -354,21 +354,28 @@ class CoreClient:
         finally:
             self._releases.pop(seq, None)
 
-    async def scrape(self, timeout: float = 2.0) -> bytes:
-        """The core's own Prometheus series (KV transfers); empty when it does not answer."""
+    async def scrape(self, snapshot: bytes = b"", timeout: float = 2.0) -> msgs.MetricsText | None:
+        """The core's own Prometheus series (KV transfers; and the engine's and the other API
+        servers' with --api-server-count > 1: snapshot is ours, atom.entrypoints.metrics_merge);
+        None when it does not answer."""
         if self.state != "ready" or self.core_exit() is not None:
-            return b""  # building or warming: the core answers nothing until its loop runs
+            return None  # building or warming: the core answers nothing until its loop runs
         self._scrape_seq += 1
         seq = self._scrape_seq
         fut = asyncio.get_running_loop().create_future()
         self._scrapes[seq] = fut
-        self._send(msgs.Scrape(self.client_index, seq))
+        self._send(msgs.Scrape(self.client_index, seq, snapshot))
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            return b""
+            return None
         finally:
             self._scrapes.pop(seq, None)
+
+    def push_metrics(self, snapshot: bytes) -> None:
+        """This API server's series, for the others' scrapes (--api-server-count > 1)."""
+        if self.state == "ready" and self.core_exit() is None:
+            self._send(msgs.ApiMetrics(self.client_index, snapshot))
 
     def cut_all(self, exc: BaseException) -> None:
         """End every stream with `exc` and free their sequences (the drain deadline passed)."""
@@ -406,7 +413,7 @@ class CoreClient:
         elif isinstance(msg, msgs.MetricsText):
             fut = self._scrapes.get(msg.seq)
             if fut is not None and not fut.done():
-                fut.set_result(msg.text)
+                fut.set_result(msg)
         elif isinstance(msg, msgs.HoldReleased):
             fut = self._releases.get(msg.seq)
             if fut is not None and not fut.done():

@@ -29,6 +29,7 @@ from atom.entrypoints.core.channel import Inbox, Outbox, send_now
 from atom.entrypoints.core.messages import (
     AbortRequests,
     AddRequest,
+    ApiMetrics,
     DropHold,
     EngineInfo,
     EngineStatus,
@@ -89,6 +90,8 @@ class EngineCore:
     # prefill-role requests still running: their room under --max-held-kv-fraction
     _reserved: dict[str, Reservation] = field(default_factory=dict)
     _registry: CollectorRegistry | None = None
+    # --api-server-count > 1: each API server's latest series (atom.entrypoints.metrics_merge)
+    _api_metrics: dict[int, bytes] = field(default_factory=dict)
     _stats_due: bool = False  # send Stats at the end of this turn
     # The sockets and codecs, made by _open() in the thread that runs the loop.
     _in: Inbox = field(init=False, repr=False)
@@ -158,6 +161,11 @@ class EngineCore:
         # ThreadCore shares its process with the API server, whose collector already covers it.
         if self.parent_pid is not None:
             ProcessCollector(namespace="atom_core", registry=self._registry)
+        if len(self.endpoints.outputs) > 1:  # the engine's series from one source: here
+            from atom.entrypoints.metrics import EngineCollector
+
+            warmup = lambda: self.info.warmup if self.info is not None else {}  # noqa: E731
+            self._registry.register(EngineCollector(self._stats, dict, warmup))
         try:
             self._set_state("starting", "building the engine (model, KV cache)")
             kv_port = None
@@ -350,6 +358,8 @@ class EngineCore:
                 self._send(msg.client, self._status())
             elif isinstance(msg, Scrape):
                 self._scrape(msg)
+            elif isinstance(msg, ApiMetrics):
+                self._api_metrics[msg.client] = msg.snapshot
             elif isinstance(msg, Shutdown):
                 self._set_state("stopped", "shut down")
                 return True
@@ -436,7 +446,11 @@ class EngineCore:
     def _scrape(self, msg: Scrape) -> None:
         from prometheus_client import generate_latest
 
-        self._send(msg.client, MetricsText(msg.seq, generate_latest(self._registry)))
+        assert self._registry is not None  # _run sets it before reading any message
+        if msg.snapshot:
+            self._api_metrics[msg.client] = msg.snapshot
+        peers = [snap for client, snap in self._api_metrics.items() if client != msg.client]
+        self._send(msg.client, MetricsText(msg.seq, generate_latest(self._registry), peers))
 
 
 def _req_out(o: RequestOutput) -> ReqOut:

@@ -1,7 +1,7 @@
 """The typed seam between the API server(s) and the engine core (msgpack via msgspec).
 
 API -> core: AddRequest, AbortRequests, ReleaseKV, DropHold, ReleaseHold, Hello, Scrape,
-Shutdown.
+ApiMetrics, Shutdown.
 core -> API: StepOutputs (every request that moved in one engine step), RequestFailed,
 EngineStatus (state changes, and the engine's facts once ready), Stats (also the heartbeat),
 MetricsText (the core's own Prometheus series, on request), HoldReleased (ReleaseHold's answer).
@@ -66,6 +66,16 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
 class Scrape(msgspec.Struct, tag=True, array_like=True):
     client: int
     seq: int
+    # --api-server-count > 1: this API server's series (atom.entrypoints.metrics_merge), kept
+    # by the core and handed to the others' scrapes
+    snapshot: bytes = b""
+
+
+class ApiMetrics(msgspec.Struct, tag=True, array_like=True):
+    """An API server's series, pushed every metrics_merge.PUSH_S (--api-server-count > 1)."""
+
+    client: int
+    snapshot: bytes
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -73,7 +83,15 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 
 CoreInput = (
-    AddRequest | AbortRequests | ReleaseKV | DropHold | ReleaseHold | Hello | Scrape | Shutdown
+    AddRequest
+    | AbortRequests
+    | ReleaseKV
+    | DropHold
+    | ReleaseHold
+    | Hello
+    | Scrape
+    | ApiMetrics
+    | Shutdown
 )
 
 
@@ -143,6 +161,7 @@ class Stats(msgspec.Struct, tag=True, array_like=True):
 class MetricsText(msgspec.Struct, tag=True, array_like=True):
     seq: int
     text: bytes
+    peers: list[bytes] = []  # the other API servers' latest snapshots (Scrape.snapshot)
 
 
 class HoldReleased(msgspec.Struct, tag=True, array_like=True):
