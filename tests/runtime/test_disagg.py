@@ -25,7 +25,7 @@ from server_proc import Proc, start_router, start_server
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.layout import KVLayout
 from atom.disagg.server import KVServer, KVSource
-from atom.disagg.trust import TOKEN_ENV, TOKEN_HEADER
+from atom.wire.trust import TOKEN_ENV, TOKEN_HEADER
 
 MODEL = "tiny-llama"
 HOLD_S = 3.0  # prefill-1 frees unpulled blocks after this

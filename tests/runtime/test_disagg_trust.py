@@ -24,8 +24,8 @@ from server_proc import Proc, start_server
 from atom.disagg.client import KVTransferError, pull_kv
 from atom.disagg.handle import KVHandle
 from atom.disagg.layout import KVLayout
-from atom.disagg.trust import TOKEN_ENV, TOKEN_HEADER
 from atom.entrypoints.kv_release import RELEASE_PATH
+from atom.wire.trust import TOKEN_ENV, TOKEN_HEADER
 
 MODEL = "tiny-llama"
 TOKEN = "trust-test-token"

@@ -375,10 +375,10 @@ def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hol
     from types import SimpleNamespace
 
     from atom.disagg.holds import HoldCap, HoldCapExceeded
-    from atom.disagg.trust import TransferKeys
     from atom.engine.params import SamplingParams
     from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
     from atom.entrypoints.core.messages import AddRequest, encoder
+    from atom.wire.trust import TransferKeys
 
     released: list[str] = []
 

@@ -19,10 +19,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from atom.disagg.trust import TOKEN_HEADER
 from atom.entrypoints.kv_release import RELEASE_PATH
 from atom.router.pool import Pool, parse_target
 from atom.router.proxy import ROUTER_KEY, Router, RouterSettings, create_router_app
+from atom.wire.trust import TOKEN_HEADER
 from testutil import async_wait_for
 
 TOKEN = "router-test-token"

@@ -20,7 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from server_proc import Proc, start_router, start_server
 
-from atom.disagg.trust import TOKEN_ENV
+from atom.wire.trust import TOKEN_ENV
 
 MODEL = "tiny-llama"
 P_D = {TOKEN_ENV: "test-internal-token"}  # router, prefill and decode share it

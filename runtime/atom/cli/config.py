@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from atom.config import CompilationConfig, Config
-from atom.spec_decode.config import SpeculativeConfig
+from atom.config import CompilationConfig, Config, SpeculativeConfig
 
 DEFAULT_CLI_LEVEL = 3  # production default; the dataclass keeps the guide's 0
 

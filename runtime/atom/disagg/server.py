@@ -28,7 +28,7 @@ from atom.disagg.metrics import count_transport
 from atom.disagg.negotiate import Decision, Offer
 from atom.disagg.registry import TransportSet, tcp_only
 from atom.disagg.transport import TransportFailure, TransportName
-from atom.disagg.trust import TransferKeys
+from atom.wire.trust import TransferKeys
 
 logger = logging.getLogger(__name__)
 

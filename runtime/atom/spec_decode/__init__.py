@@ -2,6 +2,6 @@
 k + 1 query rows per request in one target forward, rejection-sampling acceptance, and the
 rollback of rejected tokens' KV (docs/architecture.md, "Speculative decoding")."""
 
-from atom.spec_decode.config import SpecMethod, SpeculativeConfig
+from atom.config import SpecMethod, SpeculativeConfig
 
 __all__ = ["SpecMethod", "SpeculativeConfig"]

@@ -43,11 +43,11 @@ from typing import Protocol
 
 import torch
 
+from atom.config import SpecMethod, SpeculativeConfig
 from atom.engine.batch import SeqRows, StepBatch
 from atom.engine.block_manager import BlockManager
 from atom.engine.model_runner import ModelRunner
 from atom.engine.sequence import Sequence
-from atom.spec_decode.config import SpecMethod, SpeculativeConfig
 from atom.spec_decode.ngram import NgramDrafter
 from atom.spec_decode.rejection import Verdict, verify
 from atom.utils.counters import counters
