@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -53,6 +54,8 @@ class Backend:
         self.hang_health = False
         self.drop = False  # close the connection without answering (a crash mid-request)
         self.decode_error: tuple[int, dict[str, Any]] | None = None
+        self.prefill_error: tuple[int, dict[str, Any]] | None = None  # what prefills get...
+        self.prefill_errors = 0  # ...this many more times
         self.kv_host: str | None = None  # what a prefill handle advertises
 
     def app(self) -> web.Application:
@@ -103,6 +106,10 @@ class Backend:
             err = {"message": "prompt too long", "type": "invalid_request_error", "param": "prompt"}
             return web.json_response({"error": {**err, "code": None}}, status=400)
         kv = body.get("kv_transfer") or {}
+        if kv.get("mode") == "prefill" and self.prefill_error and self.prefill_errors > 0:
+            self.prefill_errors -= 1
+            status, err = self.prefill_error
+            return web.json_response({"error": err}, status=status)
         if kv.get("mode") == "prefill":
             handle = {
                 "handle": f"{self.name}-{len(self.bodies)}",
@@ -730,3 +737,52 @@ def test_router_refuses_to_start_without_the_internal_token(
         create_router_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
     assert main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]) == 2
     assert "ATOM_INTERNAL_TOKEN must be set" in capsys.readouterr().err
+
+
+HOLD_CAP = (503, {"message": "KV blocks held for transfers are at their cap", "code": "kv_hold_cap"})
+
+
+def test_a_prefill_at_its_hold_cap_holds_requests_until_room_is_freed() -> None:
+    """Issue 48: every prefill declining with kv_hold_cap is busy, not unwell: the router
+    waits for room (within --queue-timeout) and retries, rather than answering 503."""
+    p, d = Backend("p"), Backend("d")
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            p.prefill_error, p.prefill_errors = HOLD_CAP, 5
+            rs = await asyncio.gather(*(complete(c, router) for _ in range(20)))
+            assert [r.status_code for r in rs] == [200] * 20
+            assert p.prefill_errors == 0 and env.healthy(p) is True  # refused, still in rotation
+            # room never comes: the prefill's own reason, after the queue timeout, Retry-After
+            p.prefill_errors = 10**6
+            r = await complete(c, router)
+            err = r.json()["error"]
+            assert r.status_code == 503 and err["code"] == "kv_hold_cap"
+            assert "held for transfers are at their cap" in err["message"]
+            assert r.headers["Retry-After"] == "1" and "127.0.0.1" not in r.text
+
+    with_router([p], [d], check, settings=dataclasses.replace(FAST, queue_timeout=3.0))
+
+
+def test_a_403_on_kv_transfer_is_a_503_naming_no_address(caplog: pytest.LogCaptureFixture) -> None:
+    """A decode that refuses the router's internal token: the client's request is not at fault
+    (503, not the 403), the instance leaves rotation, and the log line names it."""
+    p, d = Backend("p"), Backend("d")
+    forbidden = {"message": "kv_transfer is only accepted from the router",
+                 "code": "kv_transfer_forbidden"}  # fmt: skip
+
+    async def check(router: str, env: Env) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            d.decode_error = (403, forbidden)
+            r = await complete(c, router)
+            err = r.json()["error"]
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert "decode-1: refuses the router's internal token" in err["message"]
+            assert env.urls[d] not in r.text
+            assert env.healthy(d) is False
+            # the prefill's hold is freed at once
+            await async_wait_for("the hold released", lambda: len(p.released) == 1)
+
+    with caplog.at_level(logging.ERROR, logger="atom.router"):
+        with_router([p], [d], check, settings=dataclasses.replace(FAST, health_interval=60))
+    assert any("kv_transfer_forbidden" in m and "http://127.0.0.1:" in m for m in caplog.messages)
