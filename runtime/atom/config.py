@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from atom.compilation.levels import CompilationLevel, CUDAGraphMode, default_capture_sizes  # noqa: F401 - the guide imports them from here
 
@@ -254,6 +254,13 @@ class SpeculativeConfig:
         return out
 
 
+class ModelLimits(NamedTuple):
+    """Config's lengths once the model is known (Config.finalize_model_len)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
 @dataclass
 class Config:
     # directory with config.json, a GGUF file (or directory holding one), a packaged model's
@@ -318,12 +325,10 @@ class Config:
                 logger.info("use_cudagraph=False: cudagraph_mode %s -> NONE", cc.cudagraph_mode)
             cc.cudagraph_mode = CUDAGraphMode.NONE
 
-        if cc.cudagraph_mode == CUDAGraphMode.NONE:
-            # Nothing is captured: sizes are ignored rather than refused (DESIGN.md).
-            self.capture_sizes = []
-        else:
-            self._set_cudagraph_sizes()
-        cc.init_with_cudagraph_sizes(self.capture_sizes)
+        # Nothing is captured under NONE: sizes are ignored rather than refused (DESIGN.md).
+        sizes = [] if cc.cudagraph_mode == CUDAGraphMode.NONE else self._cudagraph_sizes()
+        self.capture_sizes = sizes
+        cc.init_with_cudagraph_sizes(sizes)
 
     def _validate_serving_fields(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -367,7 +372,7 @@ class Config:
                 f"got {type(self.compilation_config).__name__}"
             )
 
-    def _set_cudagraph_sizes(self) -> None:
+    def _cudagraph_sizes(self) -> list[int]:
         """capture_sizes from cudagraph_capture_sizes, else from cuda_graph_sizes (guide)."""
         cc = self.compilation_config
         if cc.cudagraph_capture_sizes is not None:
@@ -384,9 +389,9 @@ class Config:
                 f"{source} entries must be between 1 and max_num_seqs={self.max_num_seqs}, "
                 f"got {too_big}"
             )
-        self.capture_sizes = sorted(set(sizes))
+        return sorted(set(sizes))
 
-    def finalize_model_len(self, max_position_embeddings: int) -> None:
+    def finalize_model_len(self, max_position_embeddings: int) -> ModelLimits:
         """Fill the length defaults once the model's config is known (docs/architecture.md)."""
         if self.max_model_len is None:
             self.max_model_len = min(int(max_position_embeddings), 4096)
@@ -403,13 +408,20 @@ class Config:
                 role=self.role, block_size=self.block_size, max_rows=self.max_num_batched_tokens,
                 max_bucket_seqs=max(self.capture_sizes or [0]),
             )
+        return self.model_limits()
+
+    def model_limits(self) -> ModelLimits:
+        """The lengths finalize_model_len filled (a RuntimeError before it has run)."""
+        if self.max_model_len is None or self.max_num_batched_tokens is None:
+            raise RuntimeError("Config.finalize_model_len has not run")
+        return ModelLimits(self.max_model_len, self.max_num_batched_tokens)
 
     def model_hash_factors(self) -> dict[str, Any]:
         """Config-side model identity for the compile-cache hash (the module adds its shapes)."""
         return {"model": self.model, "dtype": self.dtype}
 
     def compile_hash_factors(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "compilation_config": self.compilation_config.hash_factors(),
             "model": self.model_hash_factors(),
         }

@@ -97,7 +97,7 @@ def _llama(info: GGUFInfo, tokens: list[str]) -> Tokenizer:
         pairs = _derived_merges(tokens, [float(s) for s in scores])
     unk_id = info.get("tokenizer.ggml.unknown_token_id")
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True,  # type: ignore[arg-type]
+    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True,
                                unk_token=tokens[unk_id] if unk_id is not None else None))
     prefix = bool(info.get("tokenizer.ggml.add_space_prefix", True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -165,8 +165,8 @@ def gguf_vocab(info: GGUFInfo) -> GGUFVocab:
     add_eos = bool(info.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     eos_id = info.get("tokenizer.ggml.eos_token_id")
     if add_bos or add_eos:
-        head = [(bos, int(bos_id))] if add_bos else []
-        tail = [(eos, int(eos_id))] if add_eos else []
+        head = [(bos, int(bos_id))] if add_bos and bos is not None else []
+        tail = [(eos, int(eos_id))] if add_eos and eos is not None else []
         single = [t for t, _ in head] + ["$A"] + [t for t, _ in tail]
         pair = single + [t for t, _ in head] + ["$B:1"] + [t for t, _ in tail]
         tok.post_processor = processors.TemplateProcessing(

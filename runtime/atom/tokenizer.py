@@ -195,8 +195,9 @@ class HFTokenizer(FastTokenizer):
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_ids: list[int] = []
-        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
-            eos_ids.append(self._tok.token_to_id(self.eos_token))
+        eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        if eos_token_id is not None:
+            eos_ids.append(eos_token_id)
         # generation_config / config may list several EOS ids (Llama 3: <|eot_id|> and <|end_of_text|>).
         for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
             for i in source if isinstance(source, list) else [source]:

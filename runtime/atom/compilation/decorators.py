@@ -19,9 +19,10 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
+from torch._dynamo.types import BytecodeHook
 
 from atom.compilation import warm_start
 from atom.compilation.backends import (
@@ -36,7 +37,7 @@ from atom.utils.counters import counters
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T", bound=type)
+_M = TypeVar("_M", bound=torch.nn.Module)
 
 _compile_start: float | None = None
 
@@ -65,11 +66,11 @@ def end_monitoring_torch_compile(atom_config: Config) -> float:
     return elapsed
 
 
-def _bytecode_hook(ref: weakref.ReferenceType) -> Callable[[types.CodeType, types.CodeType], None]:
+def _bytecode_hook(ref: weakref.ReferenceType) -> BytecodeHook:
     # A weak reference: Dynamo keeps hooks forever, the model must still be collectable.
-    def hook(old_code: types.CodeType, new_code: types.CodeType) -> None:
+    def hook(code: types.CodeType, new_code: types.CodeType) -> None:
         wrapper = ref()
-        if wrapper is None or not wrapper._compiling or old_code is not wrapper.original_code_object:
+        if wrapper is None or not wrapper._compiling or code is not wrapper.original_code_object:
             return None
         wrapper.compiled_codes.append(new_code)
         return None
@@ -85,7 +86,9 @@ class TorchCompileWrapperWithCustomDispatcher:
         level = atom_config.compilation_config.level
         self.backend: VllmBackend | None = None
         if compiled_callable is None:
-            self.backend = VllmBackend(atom_config, prefix=type(self).__name__, module=self)
+            # Mixed into the model's nn.Module class (support_torch_compile).
+            module = cast(torch.nn.Module, self)
+            self.backend = VllmBackend(atom_config, prefix=type(self).__name__, module=module)
             compiled_callable = torch.compile(self.forward, fullgraph=True, backend=self.backend)
         self.compiled_callable = compiled_callable
         self.original_code_object: types.CodeType = type(self).forward.__code__
@@ -236,10 +239,10 @@ def _save_trace(self: Any, path: str, args: tuple, kwargs: dict, output: Any) ->
         logger.warning("could not save the Dynamo trace to %s: %s", path, exc)
 
 
-def support_torch_compile(cls: _T | None = None) -> Any:
+def support_torch_compile(cls: type[_M] | None = None) -> Any:
     """Class decorator; the class's __init__ takes the Config as keyword `atom_config`."""
 
-    def decorate(cls: _T) -> _T:
+    def decorate(cls: type[_M]) -> type[_M]:
         if TorchCompileWrapperWithCustomDispatcher not in cls.__mro__:
             cls.__bases__ = (*cls.__bases__, TorchCompileWrapperWithCustomDispatcher)
         old_init = cls.__init__
@@ -258,8 +261,9 @@ def support_torch_compile(cls: _T | None = None) -> Any:
             TorchCompileWrapperWithCustomDispatcher.__init__(self, atom_config=atom_config)
 
         __init__.__signature__ = inspect.signature(old_init)  # type: ignore[attr-defined]
-        cls.__init__ = __init__
-        cls.__call__ = _wrapped_call
+        # Patching the class in place is this decorator's job.
+        cls.__init__ = __init__  # type: ignore[method-assign]  # patch
+        cls.__call__ = _wrapped_call  # type: ignore[method-assign]  # patch
         return cls
 
     if cls is None:
@@ -267,7 +271,7 @@ def support_torch_compile(cls: _T | None = None) -> Any:
     return decorate(cls)
 
 
-def compile_for_level(model: torch.nn.Module, atom_config: Config) -> torch.nn.Module:
+def compile_for_level(model: _M, atom_config: Config) -> _M:
     """The runner's part: level 1 runs the whole model through Dynamo with the eager backend
     (fullgraph, so a graph break is an error: level 1 is a compatibility check). Other levels
     return the model unchanged (levels >= 2 compile inside @support_torch_compile)."""

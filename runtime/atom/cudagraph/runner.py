@@ -63,8 +63,13 @@ EAGER, TOKEN_GRAPH, REQ_GRAPH = StepKind.EAGER, StepKind.TOKEN_GRAPH, StepKind.R
 class GraphRunnerHost(Protocol):
     """What the GraphRunner needs from the model runner it records for (ModelRunner)."""
 
-    model: torch.nn.Module  # called (input_ids, positions) -> hidden states
     forward_vars: dict[str, torch.Tensor]  # the persistent step buffers ("outputs" among them)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Called (input_ids, positions) -> hidden states. Read-only, so a runner's model may
+        be a subclass (ModelRunner's is the model's own class)."""
+        ...
 
     def build_dummy_decode(
         self, num_seqs: int, q_len: int = 1, verify: bool = False

@@ -85,7 +85,8 @@ def warm_eager_paths(engine: WarmupTarget, *, force: bool = False) -> float:
     t0 = time.perf_counter()
     bm = engine.block_manager
     # A prompt fits the model and a quarter of the cache (a small test cache must not stall).
-    max_len = max(1, min(engine.config.max_model_len - 8, bm.num_blocks * bm.block_size // 4))
+    max_len = max(1, min(engine.config.model_limits().max_model_len - 8,
+                         bm.num_blocks * bm.block_size // 4))
     pending: list[Wave] = list(waves(engine.config.max_num_seqs, max_len))
     ids: list[str] = []
     steps = 0

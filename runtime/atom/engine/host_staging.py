@@ -119,12 +119,13 @@ class HostStaging:
         ends moves those after it up a row)."""
         arr = self._arrays[name]
         slots = None
+        store: _RowStore | None = None
         if keys is not None:
             store = self._stores.get(name)
             if store is None:
                 store = self._stores[name] = _RowStore(2 * arr.shape[0], arr.shape[1], arr.dtype)
             slots, width = store.slots(keys, rows)
-        if slots is not None:
+        if slots is not None and store is not None:  # a store gave the slots
             if width:
                 arr[:len(rows), :width] = store.values[slots, :width]
         else:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atom.config import Config
+from atom.config import Config, SpecMethod
 from atom.disagg.holds import KVHoldRegistry
 from atom.disagg.kv_blocks import scatter_blocks
 from atom.disagg.layout import model_identity
@@ -41,7 +41,6 @@ from atom.engine.token_check import out_of_vocab
 from atom.engine.warmup import warm_up
 from atom.executor.protocol import ModelExecutor
 from atom.models.registry import load_model_config
-from atom.spec_decode.config import SpecMethod
 from atom.spec_decode.decoder import SpecDecoder
 from atom.utils.counters import counters
 
@@ -70,17 +69,18 @@ class LLMEngine:
         """on_fatal(reason): a tensor-parallel rank died (default: exit the process)."""
         self.config = config
         self.hf_config = load_model_config(config.model)
-        config.finalize_model_len(self.hf_config.max_position_embeddings)
-        if config.max_model_len > self.hf_config.max_position_embeddings:
+        limits = config.finalize_model_len(self.hf_config.max_position_embeddings)
+        self.max_model_len = limits.max_model_len
+        if self.max_model_len > self.hf_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.hf_config.max_position_embeddings}"
             )
         window = self.hf_config.sliding_window
-        if window is not None and config.max_model_len > window:
+        if window is not None and self.max_model_len > window:
             # Attention here is always full; within the window that is exactly sliding attention.
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window} "
+                f"max_model_len={self.max_model_len} exceeds the model's sliding_window={window} "
                 "(sliding-window attention is not implemented): set max_model_len <= the window"
             )
         # runner: the lock-step calls (every rank makes them); local_runner: rank 0's own
@@ -104,10 +104,10 @@ class LLMEngine:
             # The draft cache has as many blocks (it shares the block tables): split the budget.
             num_blocks = draft_kv_share(self.local_runner.kv_block_bytes(),
                                         self.draft_runner.kv_block_bytes(), num_blocks)
-        if num_blocks * config.block_size < config.max_model_len:
+        if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks x {config.block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={config.max_model_len}; lower max_model_len or add blocks"
+                f"sequence of max_model_len={self.max_model_len}; lower max_model_len or add blocks"
             )
         self.runner.allocate_kv_cache(num_blocks)
         if self.draft_runner is not None:
@@ -117,14 +117,14 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             root=self._prefix_root())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+                                   limits.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(seed=int(config.seed), device=self.runner.device)
         self.async_scheduling = config.async_scheduling
         self.spec: SpecDecoder | None = None
         if spec is not None:  # one rank only (atom.executor.checks refuses it with N)
             self.spec = SpecDecoder.build(spec, self.local_runner, self.draft_runner,
                                           self.block_manager,
-                                          config.max_model_len, int(config.seed))
+                                          self.max_model_len, int(config.seed))
             # Speculative steps are synchronous (atom.spec_decode.decoder): the next step's
             # drafts need this step's accepted tokens on the host (/status reports it too).
             self.async_scheduling = config.async_scheduling = False
@@ -161,7 +161,7 @@ class LLMEngine:
                 graphs = {}
         pids = self._workers.tp_pids if self._workers is not None else [os.getpid()]
         return EngineFacts(
-            max_model_len=self.config.max_model_len,
+            max_model_len=self.max_model_len,
             vocab_size=self.hf_config.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids),
             config=self.config,
@@ -182,11 +182,12 @@ class LLMEngine:
             return None
         from atom.spec_decode.draft_model import check_draft_model, draft_config
 
+        assert spec.model is not None  # SpeculativeConfig requires it for draft_model
         draft_hf = check_draft_model(self.hf_config, spec.model)
-        if draft_hf.max_position_embeddings < config.max_model_len:
+        if draft_hf.max_position_embeddings < self.max_model_len:
             raise ValueError(
                 f"speculative_config.model {spec.model!r} has max_position_embeddings="
-                f"{draft_hf.max_position_embeddings} < max_model_len={config.max_model_len}"
+                f"{draft_hf.max_position_embeddings} < max_model_len={self.max_model_len}"
             )
         return ModelRunner(draft_config(config), draft_hf, is_draft=True)
 
@@ -241,7 +242,7 @@ class LLMEngine:
             seq.kv_payload = kv_blocks
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
-        lp = [first_logprob] if first_logprob is not None else [None]
+        lp: list[float | None] = [first_logprob] if first_logprob is not None else [None]
         self._pending.append(self._output(seq, [first_token], lp))
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
@@ -253,9 +254,9 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (at least one token is needed)")
-        if n > self.config.max_model_len:
+        if n > self.max_model_len:
             raise ValueError(
-                f"prompt has {n} tokens, more than max_model_len={self.config.max_model_len}"
+                f"prompt has {n} tokens, more than max_model_len={self.max_model_len}"
             )
         vocab = self.hf_config.vocab_size
         bad = out_of_vocab(prompt_token_ids, vocab)
@@ -290,7 +291,7 @@ class LLMEngine:
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
-                or num_tokens >= self.config.max_model_len)
+                or num_tokens >= self.max_model_len)
 
     def _output(self, seq: Sequence, tokens: list[int], lps: list[float | None],
                 num_tokens: int | None = None) -> RequestOutput:
@@ -316,7 +317,7 @@ class LLMEngine:
         self.last_batch = None
         self.last_launch_s = 0.0  # a speculative step launches nothing of its own here
         sched = self.scheduler.schedule()
-        if self.spec is not None and sched and self._speculates(sched):
+        if self.spec is not None and sched and self._speculates(self.spec, sched):
             self.spec.step(sched.seqs, lambda seq, toks, lps: self._emit(seq, toks, lps, outputs))
             for seq in sched.seqs:
                 seq.num_scheduled_tokens = 0
@@ -336,14 +337,14 @@ class LLMEngine:
             self._launched = None
         return outputs
 
-    def _speculates(self, sched: SchedulerOutput) -> bool:
+    def _speculates(self, spec: SpecDecoder, sched: SchedulerOutput) -> bool:
         """A pure decode step of sequences with every token on the host, room for k drafts."""
         if sched.is_prefill or self._launched is not None or sched.shared_kv:
             return False  # a verify stores every row's KV: a shared block must not be written
         if any(s.num_computed_tokens + 1 != s.num_tokens or s.kv_payload is not None
                for s in sched.seqs):
             return False
-        return self.spec.reserve(sched.seqs)
+        return spec.reserve(sched.seqs)
 
     def _emit(self, seq: Sequence, tokens: list[int], lps: list[float] | None,
               outputs: list[RequestOutput]) -> int:
@@ -405,9 +406,8 @@ class LLMEngine:
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
         """Put a launched step's tokens in their sequences; finish those they end."""
-        tokens, lps = step.copy.result()
-        if lps is None:
-            lps = [None] * len(tokens)
+        tokens, read = step.copy.result()
+        lps: list[float | None] = [None] * len(tokens) if read is None else list(read)
         outputs = []
         for seq, slot, tok, lp in zip(step.seqs, step.slots, tokens, lps, strict=True):
             if seq.status is FINISHED:

@@ -84,9 +84,10 @@ class ModelRunner:
         self.hf_config = hf_config or load_model_config(config.model)
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             config.finalize_model_len(self.hf_config.max_position_embeddings)
+        limits = config.model_limits()
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.block_size = int(config.block_size)
-        self.max_model_len = int(config.max_model_len)
+        self.max_model_len = int(limits.max_model_len)
         self.max_blocks_per_seq = _cdiv(self.max_model_len, self.block_size)
         self.capture_sizes: list[int] = sorted(config.capture_sizes or [])
         torch.manual_seed(int(config.seed))
@@ -117,7 +118,7 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = graphs if graphs.active else None
 
         self.max_num_seqs = max([int(config.max_num_seqs)] + self.capture_sizes)
-        self.max_num_rows = max(int(config.max_num_batched_tokens), self.max_num_seqs * self.q_len)
+        self.max_num_rows = max(int(limits.max_num_batched_tokens), self.max_num_seqs * self.q_len)
         self.max_meta_seqs = self.max_num_seqs * self.q_len  # a verify step: one per row
         self.staging = self._input_staging()
         self.forward_vars = {**self.staging.buffers,
@@ -255,6 +256,9 @@ class ModelRunner:
         """
         r, is_prefill, bs = batch.rows, batch.is_prefill, self.block_size
         num_seqs, num_rows = len(r.starts), len(r.token_ids)
+        ids: list[int] | np.ndarray
+        pos: list[int] | np.ndarray
+        slots: list[int] | np.ndarray
         if num_rows <= SMALL_BATCH_ROWS:  # numpy's cost per call outweighs a few rows' loop
             ids, pos, slots, pending = _rows_by_row(r, bs)
             q: Any = r.num_tokens
@@ -283,6 +287,7 @@ class ModelRunner:
         self.staging.put_rows("block_tables", r.block_tables,
                               keys=r.request_ids if keyed else None)
         if num_rows > SMALL_BATCH_ROWS:  # each row's slot, from its own staged table
+            assert isinstance(pos, np.ndarray)  # _rows_by_column's
             blocks = pos // bs
             table = self.staging.host("block_tables")
             slots = table[seq_of_row, blocks].astype(np.int64) * bs + pos % bs
@@ -349,6 +354,7 @@ class ModelRunner:
         (an int n: the first n rows; None: every row)."""
         forward_context = get_forward_context()
         context = forward_context.context
+        assert context is not None, "run_model runs inside step_context"
         positions = context.positions
         hidden_states = None
         if self.graph_runner is not None:
@@ -505,7 +511,9 @@ def _rows_by_row(r: StepRows, bs: int) -> tuple[list[int], list[int], list[int],
     positions and slots, and how many are pending. Only a sequence's last token can be
     pending (the host reads a step's tokens before the step after next is prepared); any
     other negative id would be taken for a placeholder, so it is refused."""
-    ids, pos, slots = list(r.token_ids), [], []
+    ids = list(r.token_ids)
+    pos: list[int] = []
+    slots: list[int] = []
     pending = row = 0
     for i, n in enumerate(r.num_tokens):
         start, table, src = r.starts[i], r.block_tables[i], r.pending_src[i]
@@ -513,7 +521,7 @@ def _rows_by_row(r: StepRows, bs: int) -> tuple[list[int], list[int], list[int],
         last_pending = src is not None and n and ids[row - 1] == PENDING_TOKEN
         if n and min(ids[row - n:row - 1 if last_pending else row], default=0) < 0:
             raise _stray_token(r, i)
-        if last_pending:
+        if last_pending and src is not None:  # src is not None when last_pending
             ids[row - 1] = -(src + 1)
             pending += 1
         if n and (start + n - 1) // bs >= len(table):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,7 @@ async def generate(
     outcome: Outcome,
     slot: Slot | None = None,
     **opts: Any,
-) -> AsyncIterator[Delta]:
+) -> AsyncGenerator[Delta, None]:
     """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
     for P/D roles. The tokenizer's EOS ids play no part here: the engine applies its own.
     slot: the request's --max-waiting slot, given back at its first token (or its end)."""

@@ -256,7 +256,7 @@ class ApiWorkers:
         """Forward the drain (SIGTERM) to the extra API servers."""
         self._draining = True
         for p in self.procs:
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:  # a live process has its pid
                 os.kill(p.pid, signal.SIGTERM)
 
     async def wait(self) -> None:

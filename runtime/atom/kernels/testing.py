@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -41,7 +42,9 @@ def random_paged_batch(q_lens: list[int], ctx_lens: list[int], num_heads: int, n
     physical = list(range(num_blocks))
     rng.shuffle(physical)
     assert sum(need) <= num_blocks, "not enough blocks for this layout"
-    tables, slots, cu = [], [], [0]
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    cu = [0]
     it = iter(physical)
     for q, c, nb in zip(q_lens, ctx_lens, need, strict=True):
         table = [next(it) for _ in range(nb)]
@@ -75,9 +78,15 @@ def random_paged_batch(q_lens: list[int], ctx_lens: list[int], num_heads: int, n
 HOPPER_SHARED_MEMORY = 232448  # bytes per SM an H100/H200 launch may use (227 KiB)
 
 
+class CompiledKernel(Protocol):
+    """What is read here of Triton's compiled kernel (Triton ships no type information)."""
+
+    asm: dict[str, Any]  # "ptx": str, "cubin": bytes, ...
+
+
 def compile_for_hopper(fn: object, signature: dict[str, str], constexprs: dict[str, object],
                        num_stages: int | None = None, aligned: tuple[str, ...] = (),
-                       num_warps: int | None = None) -> object:
+                       num_warps: int | None = None) -> CompiledKernel:
     """Compile a Triton kernel ahead of time to sm_90 PTX and SASS, without a GPU, and check
     that it fits an SM's shared memory. Pointers, strides and the `aligned` arguments are
     marked 16-byte divisible, as a launch specialises them: that is what enables the
@@ -102,7 +111,7 @@ def compile_for_hopper(fn: object, signature: dict[str, str], constexprs: dict[s
     return compiled
 
 
-def hopper_registers(compiled: object) -> tuple[int, int]:
+def hopper_registers(compiled: CompiledKernel) -> tuple[int, int]:
     """(registers per thread, spilled bytes) of an sm_90 kernel from compile_for_hopper, as
     Triton's bundled ptxas reports them (-v) for its PTX."""
     import re

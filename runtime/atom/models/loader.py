@@ -182,5 +182,6 @@ def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
     elif load_format == "gguf":
         load_gguf(model, str(hf_config.path))
     else:
+        assert hf_config.path is not None  # refused above without one
         load_safetensors(model, hf_config.path)
     return model.eval()

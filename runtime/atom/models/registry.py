@@ -69,7 +69,8 @@ def model_config_from_hf(data: dict[str, Any], name: str = "", path: str | None 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
     rope = dict(data.get("rope_parameters") or {})
     scaling = data.get("rope_scaling") or None
-    theta = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_theta: float = rope.get("rope_theta", 10000.0)
+    theta = data.get("rope_theta", rope_theta)
     if scaling is None and rope:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":

@@ -59,7 +59,7 @@ class DraftModelDrafter:
     def __init__(self, runner: ModelRunner, k: int) -> None:
         self.runner = runner
         self.k = k
-        self.max_rows = int(runner.config.max_num_batched_tokens)
+        self.max_rows = int(runner.config.model_limits().max_num_batched_tokens)
 
     def has_drafts(self, seqs: list[Sequence]) -> bool:
         """A draft model always proposes."""
@@ -82,13 +82,14 @@ class DraftModelDrafter:
                 s.num_draft_computed += 1
         todo = [s for s in seqs if s.num_draft_computed < s.num_tokens - 1]
         while todo:
-            budget, rows = self.max_rows, []
+            budget = self.max_rows
+            chunks: list[tuple[Sequence, SeqRows]] = []
             for seq in todo:
                 if budget <= 0:
                     break
                 start = seq.num_draft_computed
                 n = min(seq.num_tokens - 1 - start, budget)
-                rows.append(
+                chunks.append(
                     (
                         seq,
                         SeqRows(
@@ -102,8 +103,8 @@ class DraftModelDrafter:
                     )
                 )
                 budget -= n
-            self.runner.execute_model(StepBatch([r for _, r in rows], is_prefill=True))
-            for seq, r in rows:
+            self.runner.execute_model(StepBatch([r for _, r in chunks], is_prefill=True))
+            for seq, r in chunks:
                 seq.num_draft_computed += r.num_scheduled_tokens
             todo = [s for s in todo if s.num_draft_computed < s.num_tokens - 1]
 
@@ -144,14 +145,17 @@ def advance_decode_rows(
     on, in place on the device: each row's token is tokens[i], and its position, context
     length and slot follow (the block table already covers the new position); padding rows
     keep context 0 and slot -1."""
+    lens, cu, tables, slots = (meta.context_lens, meta.cu_seqlens_k, meta.block_tables,
+                               meta.slot_mapping)
+    assert lens is not None and cu is not None and tables is not None and slots is not None
     n = tokens.shape[0]
     ids.copy_(tokens)
     positions.add_(1)
-    meta.context_lens[:n].add_(1)
-    cu = meta.cu_seqlens_k  # entry i sums the first i contexts: min(i, n) of them grew
+    lens[:n].add_(1)
+    # cu: entry i sums the first i contexts, min(i, n) of which grew.
     cu.add_(torch.arange(cu.shape[0], device=cu.device, dtype=cu.dtype).clamp_(max=n))
-    blocks = meta.block_tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-    meta.slot_mapping[:n] = blocks.to(torch.long) * block_size + positions % block_size
+    blocks = tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    slots[:n] = blocks.to(torch.long) * block_size + positions % block_size
     meta.max_seqlen_k += 1
 
 
