@@ -164,14 +164,17 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         self.compilation_config = atom_config.compilation_config
         self.vllm_backend = vllm_backend
 
-    def run(self, *args: Any) -> Any:
+    def run(self, *args: Any, initial_env: dict[fx.Node, Any] | None = None,
+            enable_io_processing: bool = True) -> Any:
         from torch._dispatch.python import enable_python_dispatcher
 
         if self.fake_mode is None:
-            return super().run(*args)
+            return super().run(*args, initial_env=initial_env,
+                               enable_io_processing=enable_io_processing)
         fake_args = [self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
         with self.fake_mode, enable_python_dispatcher():
-            return super().run(*fake_args)
+            return super().run(*fake_args, initial_env=initial_env,
+                               enable_io_processing=enable_io_processing)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         assert isinstance(target, str)

@@ -14,7 +14,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -168,7 +168,7 @@ class InductorStandaloneAdaptor(_InductorCompiler):
     """torch._inductor.standalone_compile + CompiledArtifact.save/load (binary format)."""
 
     name = "inductor_standalone"
-    save_format = "binary"
+    save_format: Literal["binary", "unpacked"] = "binary"
 
     def __init__(self) -> None:
         super().__init__()
@@ -191,7 +191,8 @@ class InductorStandaloneAdaptor(_InductorCompiler):
 
         # A concrete size compiles from the real example inputs; the general shape reuses
         # Dynamo's symbolic shapes (we are inside the backend call then).
-        dynamic = "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context"
+        dynamic: Literal["from_example_inputs", "from_tracing_context"] = (
+            "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context")
         artifact = standalone_compile(
             graph,
             list(example_inputs),
@@ -279,6 +280,7 @@ class InductorAdaptor(_InductorCompiler):
         cfg = _shape_config(compiler_config, runtime_shape)
         cfg.setdefault("fx_graph_cache", True)
         compiled = compile_fx(copy.deepcopy(graph), list(example_inputs), config_patches=cfg)
+        assert callable(compiled)  # the str and weights results are AOT mode's, not used here
         return compiled, None
 
     def load(self, handle: Any, graph: Any, example_inputs: Any, graph_index: int, runtime_shape: int | None = None) -> Callable:

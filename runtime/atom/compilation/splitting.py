@@ -54,8 +54,9 @@ def split_graph(graph: fx.GraphModule, ops: list[str]) -> tuple[fx.GraphModule, 
             subgraph_id += 1
         else:
             node_to_subgraph[node] = subgraph_id
+    # No root module: split_module reads it only for get_attr nodes (its stub wants a Module).
     split_gm = torch.fx.passes.split_module.split_module(
-        graph, None, lambda node: node_to_subgraph[node], keep_original_order=True
+        graph, None, lambda node: node_to_subgraph[node], keep_original_order=True  # type: ignore[arg-type]  # stub
     )
     items = []
     for name, module in split_gm.named_children():
@@ -92,10 +93,8 @@ _INPLACE_FUNCS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
 
 def _is_buffer_placeholder(node: fx.Node) -> bool:
     grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    name = source.name if isinstance(getattr(source, "name", None), str) else None
-    if name is None and source is not None and callable(getattr(source, "name", None)):
-        name = source.name()
+    attr = getattr(getattr(grapharg, "source", None), "name", None)  # a str or a method
+    name = attr if isinstance(attr, str) else attr() if callable(attr) else None
     text = name or node.target or node.name
     return "_buffers" in str(text)
 

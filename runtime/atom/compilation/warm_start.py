@@ -18,7 +18,6 @@ or no use of it: the caller traces as before, so correctness never depends on th
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import logging
 import os
@@ -56,9 +55,15 @@ class TraceEntry:
     files: dict[str, str] = field(default_factory=dict)  # content hash per traced file
 
 
-@functools.cache
-def _forward_signature(cls: type) -> inspect.Signature:
-    return inspect.signature(cls.forward)
+_SIGNATURES: dict[type[torch.nn.Module], inspect.Signature] = {}
+
+
+def _forward_signature(cls: type[torch.nn.Module]) -> inspect.Signature:
+    # A dict, not functools.cache: mypy takes a class object for an unhashable instance.
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return sig
 
 
 def bind_arguments(module: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -70,7 +75,7 @@ def bind_arguments(module: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def pretrace_key(module: Any, prefix: str, args: tuple, kwargs: dict) -> str:
     """What the trace depends on, known before tracing (the traced files are checked after)."""
-    layout = {}
+    layout: dict[str, object] = {}
     for name, value in bind_arguments(module, args, kwargs).items():
         if isinstance(value, torch.Tensor):
             layout[name] = [str(value.dtype), value.device.type, list(value.shape[1:])]
