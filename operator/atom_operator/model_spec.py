@@ -40,7 +40,7 @@ class ModelImage(CamelModel):
     OS: FROM scratch plus the weights is enough."""
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [source_path_rule("image")]}
+        json_schema_extra={"x-kubernetes-validations": [{**source_path_rule("image")}]}
     )
 
     reference: str = Field(
@@ -64,7 +64,7 @@ class ModelClaim(CamelModel):
     mounted read-only at /models."""
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [source_path_rule("claim")]}
+        json_schema_extra={"x-kubernetes-validations": [{**source_path_rule("claim")}]}
     )
 
     name: str = Field(
@@ -78,7 +78,9 @@ class ModelSource(CamelModel):
     builtin (or, as before them, name alone for a built-in random-weight shape, or path with
     any volume)."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": model_rules()})
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [{**rule} for rule in model_rules()]}
+    )
 
     name: str | None = Field(
         default=None,
