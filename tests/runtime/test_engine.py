@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from tiny import tiny_engine
 
-from atom.config import Config
 from atom.engine import LLMEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    e = LLMEngine(Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
-                         max_model_len=64, num_kv_blocks=64, max_num_seqs=4, seed=7))
+    e = tiny_engine(warmup=False, max_model_len=64, num_kv_blocks=64, max_num_seqs=4, seed=7)
     summary = e.warmup()
     assert summary["level"] == 0 and summary["captured_sizes"] == [] and e.warmed_up
     return e
@@ -121,9 +120,8 @@ def test_one_sequence_engine_warms_up_and_generates(level: int) -> None:
     """max_num_seqs=1: the warm-up's dummy batches fit the runner's one-sequence buffers."""
     from atom.config import CompilationConfig
 
-    e = LLMEngine(Config(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu",
-                         max_model_len=64, num_kv_blocks=16, max_num_seqs=1, seed=7,
-                         compilation_config=CompilationConfig(level=level)))
+    e = tiny_engine(warmup=False, max_model_len=64, num_kv_blocks=16, max_num_seqs=1, seed=7,
+                    compilation_config=CompilationConfig(level=level))
     assert e.warmup()["level"] == level
     one, two = e.generate([P1, P2], GREEDY)  # the second waits for the first's slot
     assert len(one) == len(two) == GREEDY.max_tokens

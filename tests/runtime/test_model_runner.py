@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
+from tiny import tiny_engine
 
-from atom.config import Config
 from atom.engine import LLMEngine, SamplingParams, model_runner
 from atom.engine.batch import PENDING_TOKEN, SeqRows, StepBatch
 from atom.engine.sequence import Sequence
@@ -16,8 +16,8 @@ from atom.utils.forward_context import StepKind, StepPlan, get_forward_context
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(Config(model="tiny-qwen3", load_format="dummy", dtype="float32", device="cpu",
-                            max_model_len=64, num_kv_blocks=32, max_num_seqs=8, seed=5))
+    return tiny_engine(warmup=False, model="tiny-qwen3", max_model_len=64, num_kv_blocks=32,
+                       max_num_seqs=8, seed=5)
 
 
 def _seqs(engine: LLMEngine, prompts: list[list[int]], decode: bool) -> list[Sequence]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_config, tiny_engine
 
 from atom.config import CompilationConfig, Config, CUDAGraphMode, SpeculativeConfig
 from atom.engine import LLMEngine, SamplingParams
@@ -24,25 +25,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 SHORT, LONG, ONE = [1, 5, 9, 200, 31], [1] + list(range(40, 75)), [3]
 
 
-def _config(spec: dict | None = None, **kw) -> Config:
-    base = dict(
-        model="tiny-llama",
-        load_format="dummy",
-        dtype="float32",
-        device="cpu",
-        max_model_len=96,
-        num_kv_blocks=64,
-        max_num_seqs=4,
-        seed=7,
-    )
-    base.update(kw)
-    return Config(speculative_config=spec, **base)
+BASE: dict[str, object] = dict(max_model_len=96, num_kv_blocks=64, max_num_seqs=4, seed=7)
 
 
-def _engine(spec: dict | None = None, **kw) -> LLMEngine:
-    e = LLMEngine(_config(spec, **kw))
-    e.warmup()
-    return e
+def _config(spec: dict | None = None, **kw: object) -> Config:
+    return tiny_config(speculative_config=spec, **{**BASE, **kw})
+
+
+def _engine(spec: dict | None = None, **kw: object) -> LLMEngine:
+    return tiny_engine(speculative_config=spec, **{**BASE, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -384,9 +375,7 @@ def test_bucket_keys_and_ladder(k: int) -> None:
     from atom.cudagraph.region_graph import request_bucket
     from atom.cudagraph.runner import REQ_GRAPH, TOKEN_GRAPH, ForwardMode, GraphRunner
 
-    cfg = Config(
-        model="tiny-llama",
-        device="cpu",
+    cfg = tiny_config(
         max_num_seqs=8,
         compilation_config=CompilationConfig(
             level=0, cudagraph_mode="FULL", cudagraph_capture_sizes=[1, 2, 4, 8]
