@@ -13,7 +13,7 @@ Goal (issue 3): warm start at most 20% of cold.
 For the Llama model, --with-level0 also starts the same engine at level 0 (nothing compiled
 or captured) and reports what compiling adds to the engine start, cold and warm: the compile
 phase alone can look smaller than it is once some of its set-up overlaps the model build
-(atom.utils.compile_prefetch), and this difference cannot.
+(atom.compilation.prefetch), and this difference cannot.
 """
 
 from __future__ import annotations
