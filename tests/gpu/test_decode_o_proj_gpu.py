@@ -80,7 +80,8 @@ def test_fused_launch_matches_the_two_launches(shape: tuple[int, int, int, int],
     exact = reference_projection(out.float(), w.float(), None if o_bias is None else o_bias.float(),
                                  residual=res.float())
     torch.testing.assert_close(proj.float(), exact, rtol=2e-2, atol=3e-2)
-    assert not fused._sync_counters(out.device).any(), "counters left armed"
+    assert fused.SYNC_COUNTERS.held(out.device)
+    assert not fused.SYNC_COUNTERS.armed(out.device), "counters left armed"
 
 
 def test_fused_launch_is_graph_replayable() -> None:
@@ -115,7 +116,8 @@ def test_fused_launch_is_graph_replayable() -> None:
         g.replay()  # the cache now also holds this step's keys: same slots, same values
         torch.cuda.synchronize()
         assert torch.equal(proj, first)
-        assert not fused._sync_counters(out.device).any(), "counters left armed"
+        assert fused.SYNC_COUNTERS.held(out.device)
+        assert not fused.SYNC_COUNTERS.armed(out.device), "counters left armed"
         out_ref, proj_ref, _, _ = _unfused(b2, w, None, res2, heads, 0.125, None)
         torch.testing.assert_close(out, out_ref, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(proj.float(), proj_ref.float(), rtol=2e-2, atol=3e-2)

@@ -55,8 +55,10 @@ def _run_case(name: str) -> None:
             b.q, kc, vc, out, b.context_lens, b.block_tables, 0.25, heads, weight, bias,
             residual, proj, num_splits=splits, rope=rope,
             new_kv=tk.StepKV(b.k, b.v, b.slot_mapping))
-        assert not fused._sync_counters(torch.device("cpu")).any(), f"launch {launch}"
-        assert not tk.ARRIVALS.armed(torch.device("cpu"))
+        cpu = torch.device("cpu")
+        assert fused.SYNC_COUNTERS.held(cpu), f"launch {launch}"
+        assert not fused.SYNC_COUNTERS.armed(cpu), f"launch {launch}"
+        assert not tk.ARRIVALS.armed(cpu)
     torch.testing.assert_close(kc, kc_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
     torch.testing.assert_close(out, attn_ref, rtol=1e-4, atol=1e-4)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from atom.kernels import tuning
+from atom.kernels.launch import ArrivalCounters
 from atom.kernels.rotary import Rope
 from atom.kernels.triton_attention import StepKV, decode_launch, decode_program
 from atom.kernels.triton_norm_gemv import row_strip, row_strip_rows
@@ -31,17 +32,13 @@ from atom.kernels.triton_norm_gemv import row_strip, row_strip_rows
 # The three counters sit a 128-byte line apart: the waiting programs' polls of one do not
 # queue behind the tickets and arrivals of another.
 _LINE = 32
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _sync_counters(device: torch.device) -> torch.Tensor:
-    """Tickets, outputs done and projections done (elements 0, _LINE, 2 * _LINE), zero between
-    launches; allocated once (before any capture) and kept: recorded graphs hold its address.
-    One set per device, as for the decode kernel's arrival counters: fused launches on one
-    device run one at a time (the engine's stream orders them)."""
-    if device not in _SYNC:
-        _SYNC[device] = torch.zeros(3 * _LINE, dtype=torch.int32, device=device)
-    return _SYNC[device]
+# Tickets, outputs done and projections done (elements 0, _LINE, 2 * _LINE), zero between
+# launches: one buffer of this fixed size per device, allocated at the first launch (before any
+# capture) and kept, since recorded graphs hold its address. One set per device, as for the
+# decode kernel's arrival counters: fused launches on one device run one at a time (the
+# engine's stream orders them).
+_SYNC_SIZE = 3 * _LINE
+SYNC_COUNTERS = ArrivalCounters(_SYNC_SIZE)
 
 
 @triton.jit
@@ -115,9 +112,10 @@ def decode_attention_o_proj_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     block_n = max(1, row_strip_rows(k, o_weight.element_size(), tuning.FUSED_O_PROJ_STRIP_BYTES))
     n_attn = launch.grid[0] * launch.grid[1] * launch.grid[2]
     res = residual if residual is not None else proj_out
+    sync = SYNC_COUNTERS.get(q.device, _SYNC_SIZE)
     _decode_o_proj_kernel[(n_attn + triton.cdiv(n, block_n),)](
         *launch.args, o_weight, o_bias if o_bias is not None else o_weight, res, proj_out,
-        _sync_counters(q.device), n_attn, rows, n, k, o_weight.stride(0), res.stride(0),
+        sync, n_attn, rows, n, k, o_weight.stride(0), res.stride(0),
         proj_out.stride(0), **launch.constants, HAS_BIAS=o_bias is not None,
         HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, LINE=_LINE,
         PRELOAD=tuning.FUSED_O_PROJ_PRELOAD, num_warps=tuning.FUSED_O_PROJ_WARPS,
