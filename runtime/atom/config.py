@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SPLITTING_OPS = ["aiter.unified_attention_with_output", "aiter.mla_attention"]
 CAPTURE_SIZES_KEYWORD = "cudagraph_capture_sizes"
 DTYPES = ("bfloat16", "float16", "float32", "auto")
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ROLES = ("unified", "prefill", "decode")
 
 
@@ -266,7 +266,7 @@ class Config:
     # directory with config.json, a GGUF file (or directory holding one), a packaged model's
     # name (smollm2-135m-instruct) or a built-in shape name
     model: str = "tiny-llama"
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    load_format: str = "auto"  # auto (GGUF for a GGUF model) | safetensors | dummy
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | auto
     served_model_name: str | None = None
     max_num_seqs: int = 512

@@ -163,9 +163,9 @@ def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
     gguf = is_gguf(hf_config.path)
     if load_format == "auto":
         load_format = "gguf" if gguf else "safetensors" if hf_config.path else "dummy"
-    if load_format in ("safetensors", "gguf") and gguf != (load_format == "gguf"):
-        raise WeightLoadError(f"--load-format {load_format} does not fit model "
-                              f"{hf_config.name!r} ({hf_config.path or 'no weights file'})")
+    if load_format == "safetensors" and gguf:
+        raise WeightLoadError(f"model {hf_config.name!r} is a GGUF file ({hf_config.path}): "
+                              "use --load-format auto")
     if load_format == "safetensors" and not hf_config.path:
         raise WeightLoadError(
             f"model {hf_config.name!r} is a built-in shape without weights: use --load-format dummy"
