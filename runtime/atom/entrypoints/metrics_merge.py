@@ -78,8 +78,8 @@ def merge(snapshots: Iterable[bytes]) -> list[Metric]:
                 for name, labels, value in fam.samples:
                     metric.add_sample(name, {**labels, "api_server": str(snap.api_server)}, value)
     for fam_name, acc in sums.items():
-        for (name, labels), value in acc.items():
-            out[fam_name].add_sample(name, dict(labels), value)
+        for (name, pairs), value in acc.items():
+            out[fam_name].add_sample(name, dict(pairs), value)
     return list(out.values())
 
 

@@ -241,10 +241,6 @@ class CoreClient:
     def is_ready(self) -> bool:
         return self.state == "ready"
 
-    def num_waiting(self) -> int:
-        """Requests admitted that have not produced a token yet (queued or in prefill)."""
-        return sum(1 for s in self.streams.values() if s.first_output_at is None)
-
     def liveness(self, timeout_s: float) -> str | None:
         """None when the core is alive and its loop moved in the last timeout_s (or it is
         still building/warming, which startup probes gate); else why not."""

@@ -164,8 +164,7 @@ class EngineCore:
         if len(self.endpoints.outputs) > 1:  # the engine's series from one source: here
             from atom.entrypoints.metrics import EngineCollector
 
-            warmup = lambda: self.info.warmup if self.info is not None else {}  # noqa: E731
-            self._registry.register(EngineCollector(self._stats, dict, warmup))
+            self._registry.register(EngineCollector(self._stats, dict, self._warmup_summary))
         try:
             self._set_state("starting", "building the engine (model, KV cache)")
             kv_port = None
@@ -207,6 +206,9 @@ class EngineCore:
             logger.error("engine step failed:\n%s", traceback.format_exc())
             self._set_state("failed", f"engine step failed: {exc}")
             return 1
+
+    def _warmup_summary(self) -> dict[str, Any]:
+        return self.info.warmup if self.info is not None else {}
 
     def _rank_failure(self) -> str | None:
         """Why a tensor-parallel rank died, if one did (its watcher may be a moment behind
