@@ -2,9 +2,10 @@
 
 Images are built from the Dockerfile with buildah (reused while their inputs are unchanged) and
 imported into the node's containerd; the chart installs the operator as a real pod; the CPU
-example's runtime pod starts, its startup probe keeps it un-Ready through compile, the
-AtomDeployment turns Ready when the pod does, and the completion goes through the Service's
-ClusterIP (kube-proxy's rules serve the host too) to that pod, with the official openai client.
+example's runtime pod starts with SmolLM2-135M-Instruct from the model image (an image
+volume), its startup probe keeps it un-Ready through load and compile, the AtomDeployment turns
+Ready when the pod does, and a chat completion goes through the Service's ClusterIP
+(kube-proxy's rules serve the host too) to that pod, with the official openai client.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ CPU_EXAMPLE = ROOT / "examples" / "atomdeployment-cpu.yaml"
 CHART = ROOT / "charts" / "atom-operator"
 OPERATOR_NAMESPACE = "atom-system"
 RELEASE = "atom-operator"
+QUESTION = "What is the capital of France?"
 
 
 def real_node_values(images: dict[str, Any]) -> list[str]:
@@ -100,8 +102,8 @@ def run_real(args: argparse.Namespace, printer: Printer, pids: list[int]) -> Non
     manifest = yaml.safe_load(example.read_text())
     name, namespace = manifest["metadata"]["name"], args.namespace
 
-    printer.step("Building the operator and CPU runtime images with buildah (reused while "
-                 "their inputs are unchanged)")  # fmt: skip
+    printer.step("Building the operator, CPU runtime and model images with buildah (reused "
+                 "while their inputs are unchanged)")  # fmt: skip
     start = time.monotonic()
     images = image_builds.build()
     for target, image in images.items():
@@ -141,20 +143,24 @@ def run_real(args: argparse.Namespace, printer: Printer, pids: list[int]) -> Non
 
         service = kubectl.json("service", name, "-n", namespace)
         url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
-        printer.step(f"A completion through the Service (ClusterIP {url}) with the openai client")
+        printer.step(f"A chat completion through the Service (ClusterIP {url}) with the openai "
+                     "client")  # fmt: skip
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        model = manifest["spec"]["model"]["name"]
-        printer.detail("models: " + ", ".join(m.id for m in client.models.list().data))
-        completion = client.completions.create(
-            model=model, prompt=args.prompt, max_tokens=16, temperature=0.0
+        model = client.models.list().data[0].id
+        printer.detail(f"models: {model}")
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=32,
+            temperature=0.0,
         )
-        choice = completion.choices[0]
-        printer.detail(f"prompt:  {args.prompt!r}")
-        printer.detail(f"text:    {choice.text!r}  (random weights: the tokens are noise)")
-        usage = completion.usage
+        choice = chat.choices[0]
+        printer.detail(f"question: {QUESTION}")
+        printer.detail(f"answer:   {choice.message.content}")
+        usage = chat.usage
         if usage:
             printer.detail(
-                f"finish:  {choice.finish_reason}, {usage.prompt_tokens} prompt + "
+                f"finish:   {choice.finish_reason}, {usage.prompt_tokens} prompt + "
                 f"{usage.completion_tokens} completion tokens"
             )
         pod = kubectl.json("pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}")

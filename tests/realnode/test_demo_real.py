@@ -1,5 +1,6 @@
-"""hack/demo's default loop on a real node: the completion comes from the operator's own pod,
-and the host is left as it was (no process, mount, interface or iptables rule)."""
+"""hack/demo's default loop on a real node: SmolLM2 from the model image answers the demo's
+question from the operator's own pod, and the host is left as it was (no process, mount,
+interface or iptables rule)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ def test_demo_serves_the_completion_from_the_real_pod() -> None:
     assert result.returncode == 0, out + result.stderr
     assert re.search(r"atom-node\s+Ready", out), out
     assert re.search(r"Running ready=false .*\| atomd phase=(Pending|Progressing)", out), out
-    assert re.search(r"tiny-cpu\s+3\s+NONE\s+1/1\s+Ready", out), out
-    assert "models: tiny-llama" in out
-    assert re.search(r"finish:\s+(length|stop), \d+ prompt \+ \d+ completion tokens", out), out
+    assert re.search(r"model: localhost/atom-model-smollm2:\S+", out), out
+    assert re.search(r"smollm2-cpu\s+3\s+NONE\s+1/1\s+Ready", out), out
+    assert "models: smollm2" in out
+    assert "question: What is the capital of France?" in out
+    answer = re.search(r"answer:\s+(.*)", out)
+    assert answer and "Paris" in answer.group(1), out  # a real model, not random weights
+    assert re.search(r"finish:\s+stop, \d+ prompt \+ \d+ completion tokens", out), out
     assert re.search(
-        r"served by pod tiny-cpu-unified-\S+ \(10\.245\.0\.\d+\) on node atom-node", out
-    )
+        r"served by pod smollm2-cpu-unified-\S+ \(10\.245\.0\.\d+\) on node atom-node", out
+    ), out
     assert "nothing left running" in out
     match = re.search(r"kubeconfig (/\S+)/kubeconfig", out)
     assert match, out
