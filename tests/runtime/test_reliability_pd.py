@@ -22,7 +22,7 @@ import httpx
 import pytest
 from server_proc import Proc, start_router, start_server
 
-from atom.disagg.trust import TOKEN_ENV
+from atom.wire.trust import TOKEN_ENV
 
 MODEL = "tiny-llama"
 P_D = {TOKEN_ENV: "reliability-token"}
