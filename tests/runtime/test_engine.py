@@ -133,7 +133,7 @@ def test_the_engine_stops_at_every_eos_its_checkpoint_names(tmp_path) -> None:
     import json
 
     from atom.engine.eos import model_eos_ids
-    from atom.models.registry import ModelConfig
+    from atom.models.model_config import ModelConfig
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 2]}))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({

@@ -376,7 +376,7 @@ def test_drain_is_a_counted_noop_on_gloo(tp_run) -> None:
 
 def _build_at(monkeypatch: pytest.MonkeyPatch, tp: int, **sizes: int) -> None:
     import atom.models.llama as llama
-    from atom.models.registry import ModelConfig
+    from atom.models.model_config import ModelConfig
 
     monkeypatch.setattr(llama, "tp_state", lambda: TPState(rank=0, world_size=tp,
                                                            backend="gloo"))

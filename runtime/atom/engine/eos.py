@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from atom.models.registry import ModelConfig
+from atom.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

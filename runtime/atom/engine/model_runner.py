@@ -31,7 +31,8 @@ from atom.engine.batch import PENDING_TOKEN, StepBatch, StepRows
 from atom.engine.host_staging import HostStaging
 from atom.layers.sharding import split_evenly
 from atom.models.loader import build_model
-from atom.models.registry import ModelConfig, load_model_config
+from atom.models.model_config import ModelConfig
+from atom.models.registry import load_model_config
 from atom.spec_decode.draft_graph import DraftGraph
 from atom.utils.counters import counters
 from atom.utils.forward_context import (

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from atom.models.gguf_file import GGUFError, GGUFInfo
-from atom.models.registry import ModelConfig
+from atom.models.model_config import ModelConfig
 
 # GGUF general.architecture values served by atom.models.llama.
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")

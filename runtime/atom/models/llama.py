@@ -31,7 +31,7 @@ from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 from atom.layers.sharding import WeightTarget, split_evenly
 from atom.layers.vocab_embedding import VocabParallelEmbedding
-from atom.models.registry import ModelConfig
+from atom.models.model_config import ModelConfig
 
 
 def _max_positions(atom_config: Any, hf_config: ModelConfig) -> int:

@@ -27,7 +27,7 @@ from atom.layers.sharding import WeightTarget, cut
 from atom.models.gguf_file import GGUF_SUFFIX
 from atom.models.gguf_loader import load_gguf
 from atom.models.llama import LlamaForCausalLM
-from atom.models.registry import ModelConfig
+from atom.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import torch
 
 from atom.engine.batch import SeqRows, StepBatch
 from atom.engine.sampler import argmax
-from atom.models.registry import ModelConfig, load_model_config
+from atom.models.model_config import ModelConfig
+from atom.models.registry import load_model_config
 from atom.utils.forward_context import AttentionMetaData
 
 if TYPE_CHECKING:
