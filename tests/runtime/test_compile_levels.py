@@ -88,6 +88,7 @@ def test_level1_fullgraph_refuses_a_graph_break(cache_dir: str) -> None:
         model(torch.ones(3, 2))
 
 
+@pytest.mark.slow  # 80 s of Inductor; the level-3 tests keep Inductor in the fast tier
 def test_level2_compiles_once_for_all_batch_sizes(cache_dir: str) -> None:
     model = build_random(2, cache_dir)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -101,6 +102,7 @@ def test_level2_compiles_once_for_all_batch_sizes(cache_dir: str) -> None:
     assert len(model.compiled_codes) == 1
 
 
+@pytest.mark.slow  # 35 s of Inductor; the level-3 tests keep Inductor in the fast tier
 def test_level2_later_calls_skip_dynamo(cache_dir: str) -> None:
     model = build_random(2, cache_dir)
     ids, pos = random_inputs(4)

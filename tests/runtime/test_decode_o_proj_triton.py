@@ -67,7 +67,11 @@ def _run_case(name: str) -> None:
     torch.testing.assert_close(proj, proj_ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The fast tier keeps one split case with rotary and a residual; the others take 8-11 s each.
+@pytest.mark.parametrize("name", [
+    name if name == "split3-rope" else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CASES)
+])
 def test_fused_decode_o_proj_in_interpreter(name: str) -> None:
     from atom.kernels.testing import run_interpreter_case
 

@@ -115,7 +115,7 @@ def test_stats_fields(engine: LLMEngine) -> None:
     assert s["kv_blocks_total"] == 64
 
 
-@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("level", [0, pytest.param(3, marks=pytest.mark.slow)])  # 3: 25 s
 def test_one_sequence_engine_warms_up_and_generates(level: int) -> None:
     """max_num_seqs=1: the warm-up's dummy batches fit the runner's one-sequence buffers."""
     from atom.config import CompilationConfig

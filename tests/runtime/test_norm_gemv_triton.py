@@ -74,6 +74,7 @@ def test_norm_gemv_in_interpreter(name: str) -> None:
     run_interpreter_case(__file__, name)
 
 
+@pytest.mark.slow  # 50 s of ahead-of-time compiles; the interpreted cases stay fast
 def test_norm_gemv_kernels_compile_for_hopper_without_a_gpu() -> None:
     """Every constexpr variant the launchers use, in bf16 and fp32, to sm_90 PTX and SASS."""
     pytest.importorskip("triton")

@@ -213,7 +213,10 @@ def test_max_tokens_reached_mid_run(ref: LLMEngine) -> None:
     assert e.stats()["kv_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("spec", [NGRAM, SELF], ids=["ngram", "self"])
+# The n-gram case keeps the roll-back in the fast tier; self-drafting repeats it with a draft model.
+@pytest.mark.parametrize("spec", [
+    pytest.param(NGRAM, id="ngram"), pytest.param(SELF, id="self", marks=pytest.mark.slow)
+])
 def test_preemption_and_abort_roll_back(ref: LLMEngine, spec: dict) -> None:
     prompts = [LONG[:20], LONG[5:25], SHORT * 4, LONG[:18]]
     p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -327,6 +330,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     assert _chi2(counts, p[0]) < 18.47
 
 
+@pytest.mark.slow  # 100 s: 640 sampled requests on each of two engines
 def test_engine_sampled_distribution_matches_without_speculation() -> None:
     """End to end, top_k=3 (a vocabulary of 3 per row): the joint distribution of the first two
     tokens (the second from a verify step) with self-drafting equals the target's, by a
