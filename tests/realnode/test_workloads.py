@@ -117,7 +117,10 @@ def test_deleted_pod_comes_back_warm_from_the_pvc_cache(kubectl: Kubectl) -> Non
     cold_counters, warm_counters = cold["warmup"]["counters"], warm["warmup"]["counters"]
     # every piece the cold pod compiled comes from the claim; nothing is compiled again
     assert warm_counters.get("cache_hits") == cold_counters["cache_misses"], warm_counters
-    assert warm_counters.get("artifacts_loaded") == cold_counters["artifacts_saved"], warm_counters
+    # a repeated layer's piece has the same bytes: loaded once, then reused (SmolLM2's 30 layers)
+    served = warm_counters.get("artifacts_loaded", 0) + warm_counters.get("artifacts_reused", 0)
+    assert served == cold_counters["artifacts_saved"], warm_counters
+    assert warm_counters.get("artifacts_loaded", 0) >= 1, warm_counters
     assert not warm_counters.get("cache_misses") and not warm_counters.get("pieces_compiled")
     assert warm["warmup"]["compile_seconds"] < cold["warmup"]["compile_seconds"]
 

@@ -350,7 +350,7 @@ def test_two_api_servers_share_one_core_and_the_api_key() -> None:
                 r = c.post(proc.url + "/v1/completions", json=body, headers=auth)
                 assert r.status_code == 200, r.text
                 seen.add(r.headers["X-Atom-Api-Pid"])
-                s = c.get(proc.url + "/status").json()  # open without the key
+                s = c.get(proc.url + "/status", headers=auth).json()  # behind the key (issue 48)
                 cores.add(s["core_pid"])
                 assert s["api_server_count"] == 2
         assert len(seen) == 2 and len(cores) == 1
