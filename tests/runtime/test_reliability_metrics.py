@@ -16,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_proc import Proc, healthy_server
 
+from testutil import wait_for
+
 MODEL = "tiny-llama"
 SCRAPES = 50
 MONOTONIC = ("counter", "histogram")
@@ -45,7 +47,16 @@ def counters(text: str) -> dict[tuple, float]:
     }
 
 
+def both_processes_reported(url: str) -> bool:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return all(f'atom_api_process_start_time_seconds{{api_server="{i}"}}' in text for i in (0, 1))
+
+
 def test_counters_never_decrease_across_scrapes_of_either_process(server: Proc) -> None:
+    # Each API server pushes its first snapshot within a push period of starting, which may
+    # come after /health is ready: the claim is about the steady state, from then on.
+    wait_for("both API servers' first snapshot", lambda: both_processes_reported(server.url),
+             timeout=30, interval=0.2)
     stop = threading.Event()
     loaders = [threading.Thread(target=load, args=(server.url, stop)) for _ in range(4)]
     for t in loaders:
