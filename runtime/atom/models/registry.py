@@ -86,6 +86,9 @@ _LLAMA3_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
+# Llama 3.1 stretches an 8K-trained rotary table by 8 (3.2's by 32).
+_LLAMA31_SCALING = dict(_LLAMA3_SCALING, factor=8.0)
+
 BUILTIN_SHAPES: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -111,6 +114,22 @@ BUILTIN_SHAPES: dict[str, ModelConfig] = {
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         tie_word_embeddings=True, qk_norm=True, torch_dtype="bfloat16",
+        bos_token_id=151643, eos_token_id=[151645, 151643],
+    ),
+    # The 8B class the peers publish figures for (issue 47): the shapes of the released
+    # config.json files, random weights (--load-format dummy).
+    "llama-3.1-8b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(_LLAMA31_SCALING),
+        max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    ),
+    "qwen3-8b": ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, qk_norm=True, torch_dtype="bfloat16",
         bos_token_id=151643, eos_token_id=[151645, 151643],
     ),
 }
