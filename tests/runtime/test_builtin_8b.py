@@ -8,10 +8,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf_parity import COMMON, _check, _engine  # noqa: E402
+
 from atom.config import Config  # noqa: E402
 from atom.models.llama import LlamaForCausalLM  # noqa: E402
 from atom.models.registry import load_model_config, model_config_from_hf  # noqa: E402
-from test_hf_parity import COMMON, _check, _engine  # noqa: E402
 
 # The released config.json values (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B), as transformers
 # configs: our mapping of each must be the built-in shape.
