@@ -31,7 +31,7 @@ from atom.engine.batch import StepBatch
 from atom.engine.block_manager import BlockManager
 from atom.engine.eos import model_eos_ids
 from atom.engine.model_runner import ModelRunner
-from atom.engine.params import RequestOutput, SamplingParams
+from atom.engine.params import RequestOutput, SamplingParams, TopLogprobs
 from atom.engine.prefix_cache import BlockHash, root_hash
 from atom.engine.sampled_copy import SampledCopier, SampledCopy
 from atom.engine.sampler import Sampler
@@ -40,8 +40,10 @@ from atom.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from atom.engine.token_check import out_of_vocab
 from atom.engine.warmup import warm_up
 from atom.executor.protocol import ModelExecutor
+from atom.lora.service import LoRAService, LoRAUsage
 from atom.models.registry import load_model_config
 from atom.spec_decode.decoder import SpecDecoder
+from atom.structured.host import StructuredHost
 from atom.utils.counters import counters
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class LaunchedStep:
     tokens: torch.Tensor  # sampled ids on the device: the next step's pending rows read them
     copy: SampledCopy
     first_tokens: bool = False  # every sampled sequence gets its first output token
+    # Penalties read its rows' output tokens on the host: read it before the next launch.
+    read_first: bool = False
 
 
 class LLMEngine:
@@ -133,10 +137,20 @@ class LLMEngine:
         self.last_batch: StepBatch | None = None  # the last step() launched (None: none)
         self.last_launch_s = 0.0  # how long its scheduling and launch took (the rest: reading)
         self.eos_token_ids = model_eos_ids(self.hf_config)  # the one EOS rule (atom.engine.eos)
+        hf = self.hf_config  # structured output: matchers and masks (atom.structured.host)
+        self.structured = StructuredHost(
+            config.model, hf.vocab_size, sorted(self.eos_token_ids),
+            self.local_runner.max_num_seqs * (1 + (spec.k if spec is not None else 0)),
+            self.runner.device, (hf.bos_token_id, hf.eos_token_id))
+        if self.spec is not None:
+            self.spec.structured = self.structured
         # Prompt blocks of finished prefill-role sequences, kept until pulled (atom.disagg).
         self.kv_holds = KVHoldRegistry(DEFAULT_KV_HOLD_S)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
+        # Multi-LoRA (atom.lora): None when no adapters are served.
+        manager = self.local_runner.lora
+        self.lora: LoRAService | None = LoRAService(manager) if manager is not None else None
         self._arrival = itertools.count()
         self.warmed_up = False
         self.warmup_summary: dict[str, Any] = {}
@@ -200,10 +214,17 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, *, hold_kv: bool = False) -> None:
+                    params: SamplingParams | None = None, *, hold_kv: bool = False,
+                    lora_name: str | None = None) -> None:
         """hold_kv: when the sequence finishes, keep its prompt's blocks in `kv_holds` under
-        request_id (a prefill instance's handle) instead of freeing them."""
+        request_id (a prefill instance's handle) instead of freeing them. lora_name: a loaded
+        LoRA adapter to run it under (None: the base model)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if lora_name is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora_name!r} requested, but this engine "
+                                 "serves none (--lora-modules / --max-loras)")
+            self.lora.assign(seq, lora_name)
         seq.hold_kv = hold_kv
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -265,6 +286,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrival))
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
+        if params.structured is not None:  # compiled (cached); refused: a ValueError, a 400
+            self.structured.attach(seq, params.structured)
         return seq
 
     def abort_request(self, request_id: str) -> None:
@@ -274,6 +297,18 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         _drop_pending(seq, len(seq.token_ids))
         self._pending.append(self._output(seq, [], []))
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter `name` (a KeyError when not loaded, a ValueError while in use)."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unload(name, self._seqs.values())
+
+    def lora_usage(self) -> LoRAUsage | None:
+        """The adapters of the running and waiting requests (None: no LoRA served)."""
+        if self.lora is None:
+            return None
+        return self.lora.usage(self.scheduler.running, self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)
@@ -294,8 +329,10 @@ class LLMEngine:
                 or num_tokens >= self.max_model_len)
 
     def _output(self, seq: Sequence, tokens: list[int], lps: list[float | None],
-                num_tokens: int | None = None) -> RequestOutput:
-        """num_tokens: the sequence's tokens up to the last of `tokens` (default: all)."""
+                num_tokens: int | None = None,
+                top: list[TopLogprobs] | None = None) -> RequestOutput:
+        """num_tokens: the sequence's tokens up to the last of `tokens` (default: all);
+        top: the tokens' alternatives, when the request asked for them."""
         if num_tokens is None:
             num_tokens = seq.num_tokens
         return RequestOutput(
@@ -307,12 +344,15 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=num_tokens - seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            new_top_logprobs=top,
         )
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step; outputs for every request that moved: those of the step
         launched before (asynchronous scheduling) or of this one."""
         self.reclaim_kv()
+        if self._launched is not None and self._launched.read_first:
+            self.read_launched()
         outputs, self._pending = self._pending, []
         self.last_batch = None
         self.last_launch_s = 0.0  # a speculative step launches nothing of its own here
@@ -341,6 +381,8 @@ class LLMEngine:
         """A pure decode step of sequences with every token on the host, room for k drafts."""
         if sched.is_prefill or self._launched is not None or sched.shared_kv:
             return False  # a verify stores every row's KV: a shared block must not be written
+        if any(s.params.processed or s.params.top_logprobs for s in sched.seqs):
+            return False  # the verifier samples neither (the plain step does)
         if any(s.num_computed_tokens + 1 != s.num_tokens or s.kv_payload is not None
                for s in sched.seqs):
             return False
@@ -391,7 +433,10 @@ class LLMEngine:
         # Only an idle engine's step may be read at once (step()): no per-row check under load.
         first = check_first and all(len(s.token_ids) == s.num_prompt_tokens for s in to_sample)
         host_tokens = self._copier.next_tokens(len(to_sample))
-        tokens, logprobs = self.sampler.sample(logits, to_sample, host_tokens)
+        prev = self._launched  # its tokens, for constrained rows still pending on it
+        mask = self.structured.step_mask(  # filled while the forward runs
+            to_sample, None if prev is None else lambda: prev.copy.result()[0])
+        drawn = self.sampler.sample(logits, to_sample, host_tokens, mask)
         slots: list[int | None] = []
         for i, seq in enumerate(to_sample):
             n = len(seq.token_ids)  # this step's token is the (n + 1)-th
@@ -401,15 +446,17 @@ class LLMEngine:
                 slots.append(n)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.pending_src = i
-        copy = self._copier.start(tokens, logprobs, tokens_on_host=host_tokens is not None)
-        return LaunchedStep(to_sample, slots, tokens, copy, first)
+        copy = self._copier.start(drawn, tokens_on_host=host_tokens is not None)
+        return LaunchedStep(to_sample, slots, drawn.tokens, copy, first, drawn.processed)
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
         """Put a launched step's tokens in their sequences; finish those they end."""
         tokens, read = step.copy.result()
         lps: list[float | None] = [None] * len(tokens) if read is None else list(read)
+        tops = step.copy.top_logprobs()
         outputs = []
-        for seq, slot, tok, lp in zip(step.seqs, step.slots, tokens, lps, strict=True):
+        for i, (seq, slot, tok, lp) in enumerate(zip(step.seqs, step.slots, tokens, lps,
+                                                     strict=True)):
             if seq.status is FINISHED:
                 continue  # aborted, or stopped by a token read after this step was launched
             if slot is None:
@@ -430,7 +477,9 @@ class LLMEngine:
                     self._hold_prompt_blocks(seq)
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [tok], [lp], n))
+            k = p.top_logprobs if p.logprobs else 0
+            top = [tops[i][:k]] if k and tops is not None else None
+            outputs.append(self._output(seq, [tok], [lp], n, top))
         return outputs
 
     # ---- disaggregation ------------------------------------------------------------------------

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import msgspec
 
+from atom.structured.spec import StructuredSpec
+
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # Below this a temperature divides the logits into inf/NaN (1e-45 is a float32 denormal): such
 # a request is greedy in all but name, so it runs greedy (issue 48).
 MIN_SAMPLED_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's cap on logit_bias's size
+MAX_TOP_LOGPROBS = 20  # OpenAI's (and vLLM's default) cap on alternatives per token
+
+# One generated token's most likely alternatives: (token id, logprob), best first.
+TopLogprobs = list[tuple[int, float]]
 
 
 class SamplingError(ValueError):
@@ -45,6 +54,15 @@ class SamplingParams(msgspec.Struct, array_like=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
+    # Logits processors (atom.engine.logits_processors); at their defaults a row takes the
+    # sampler's plain path.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    top_logprobs: int = 0  # alternatives returned per token (with logprobs), 0..20
+    # Structured output (atom.structured): the grammar the output must follow (None: free).
+    structured: StructuredSpec | None = None
 
     def validate(self, vocab_size: int = 0) -> None:
         """Check every field (SamplingError naming it) and normalise in place: a temperature
@@ -83,6 +101,52 @@ class SamplingParams(msgspec.Struct, array_like=True):
             raise SamplingError(
                 "stop_token_ids", f"stop_token_ids must be in [0, {bound}), got {bad[:5]}"
             )
+        self._validate_processors(bound)
+
+    def _validate_processors(self, bound: int) -> None:
+        for name, v in (("presence_penalty", self.presence_penalty),
+                        ("frequency_penalty", self.frequency_penalty)):
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise SamplingError(
+                    name, f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {v!r}"
+                )
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not 0.0 < rep < float("inf"):
+            raise SamplingError(
+                "repetition_penalty", f"repetition_penalty must be above 0, got {rep!r}"
+            )
+        bias = self.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingError(
+                "logit_bias",
+                f"logit_bias holds at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+            )
+        bad = [k for k in bias if not _is_int(k) or not 0 <= k < bound]
+        if bad:
+            raise SamplingError(
+                "logit_bias", f"logit_bias keys must be token ids in [0, {bound}), got {bad[:5]}"
+            )
+        off = [v for v in bias.values() if not _is_number(v) or not abs(v) <= MAX_LOGIT_BIAS]
+        if off:
+            raise SamplingError(
+                "logit_bias",
+                f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and "
+                f"{MAX_LOGIT_BIAS:g}, got {off[:5]}",
+            )
+        top = self.top_logprobs
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise SamplingError(
+                "top_logprobs",
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top!r}",
+            )
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logits processor changes this row's logits (penalties, logit_bias)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
@@ -102,3 +166,5 @@ class RequestOutput(msgspec.Struct, gc=False):
     num_output_tokens: int
     # Prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    # Per new token, its top_logprobs alternatives (None: the request asked for none)
+    new_top_logprobs: list[TopLogprobs] | None = None

@@ -5,14 +5,40 @@ and keeps the order, so the token is the same without the copy). Sampled rows, w
 use the exponential-race trick (argmax of p / Exp(1) noise is a draw from p); a request with a
 seed draws its noise from its own torch.Generator, so its tokens do not depend on what else is
 in the batch.
-Logprobs are of the model's raw distribution (before temperature / top-k / top-p).
+Logprobs are of the model's raw distribution (before penalties, logit_bias, temperature,
+top-k and top-p), as vLLM's default; a row's top_logprobs alternatives are a top-k on the device,
+so only [n, k] values travel to the host.
+Rows with penalties or a logit_bias are processed first (atom.engine.logits_processors); a
+batch without any takes the plain path with no extra work.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, NamedTuple
+
 import torch
 
+from atom.engine.logits_processors import LogitsProcessors, device_tensor
 from atom.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from atom.structured.bitmask import StepMask
+
+
+class TopK(NamedTuple):
+    """The k most likely tokens of each row of a step (k: the most any row asked for)."""
+
+    ids: torch.Tensor  # int64 [n, k]
+    logprobs: torch.Tensor  # fp32 [n, k]
+
+
+class Sampled(NamedTuple):
+    """One step's sampling, on the logits' device; nothing waited for the GPU."""
+
+    tokens: torch.Tensor  # int64 [n]
+    logprobs: torch.Tensor | None  # fp32 [n]: the chosen tokens' (None: no row asked)
+    top: TopK | None  # None: no row asked for alternatives
+    processed: bool  # a row went through the logits processors (they read its output tokens)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -46,26 +72,28 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.processors = LogitsProcessors(self.device)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _rows_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """Per-row parameters on the device without waiting for the GPU: a copy from pageable
-        memory would synchronise the stream (and stall the step launched ahead)."""
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
+        return device_tensor(values, dtype, self.device)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               host_tokens: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids [n] (int64) and, when any request asks, logprobs [n] (fp32) of the n
-        rows, on the logits' device; nothing waits for the GPU. host_tokens (pinned int64
-        [n], CUDA only): the token ids are also written there, on the stream."""
+               host_tokens: torch.Tensor | None = None, mask: StepMask | None = None
+               ) -> Sampled:
+        """The n rows' tokens (and logprobs where asked). host_tokens (pinned int64 [n], CUDA
+        only): the token ids are also written there, on the stream."""
         n = len(seqs)
-        logits = logits[:n]
+        raw = logits = logits[:n]
         params = [s.params for s in seqs]
+        processed = any([p.processed for p in params])
+        if processed:
+            logits = self.processors.apply(logits, seqs)
+        if mask is not None:  # structured output: disallowed tokens to -inf (raw kept for logprobs)
+            logits = mask.apply(logits if logits is not raw else logits.clone())
         sample_rows = [i for i, p in enumerate(params) if p.temperature != 0]  # not p.greedy
         # An all-greedy step's argmax writes the host copy itself (no copy kernel after it).
         tokens = argmax(logits, None if sample_rows else host_tokens)
@@ -91,16 +119,22 @@ class Sampler:
 
                 copy_to_host(tokens, host_tokens)
         if not any([p.logprobs for p in params]):
-            return tokens, None
-        lp = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens[:, None])
-        return tokens, lp.squeeze(-1)
+            return Sampled(tokens, None, None, processed)
+        logp = raw.log_softmax(dim=-1, dtype=torch.float32)
+        lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        k = max(p.top_logprobs if p.logprobs else 0 for p in params)
+        top = None
+        if k:
+            values, ids = logp.topk(k, dim=-1)
+            top = TopK(ids, values)
+        return Sampled(tokens, lp, top, processed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
                  ) -> tuple[list[int], list[float | None]]:
         """sample(), brought to the host: token ids, and logprobs where a request asks."""
         if not seqs:
             return [], []
-        tokens, lp = self.sample(logits, seqs)
+        tokens, lp, _, _ = self.sample(logits, seqs)
         return host_results(tokens.tolist(), None if lp is None else lp.tolist(), seqs)
 
 
