@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from atom.engine.batch import PENDING_TOKEN
 from atom.engine.params import SamplingParams
 from atom.engine.prefix_cache import BlockHash
+
+if TYPE_CHECKING:
+    from atom.structured.matcher import GrammarState
 
 __all__ = ["PENDING_TOKEN", "Sequence", "SequenceStatus"]
 
@@ -62,6 +66,8 @@ class Sequence:
         # blocks on preemption), and the host generator of a seeded request's acceptance draws.
         self.num_draft_computed = 0
         self.spec_generator: torch.Generator | None = None
+        # Structured output (atom.structured): its grammar matcher, when the request has one.
+        self.grammar: GrammarState | None = None
 
     def block_extra_keys(self, start: int, end: int) -> list[bytes]:
         return [self.cache_salt] * (end - start)

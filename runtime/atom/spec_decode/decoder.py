@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,6 +52,9 @@ from atom.spec_decode.ngram import NgramDrafter
 from atom.spec_decode.rejection import Verdict, verify
 from atom.utils.counters import counters
 from atom.utils.forward_context import SpecDecodeMetadata
+
+if TYPE_CHECKING:
+    from atom.structured.host import StructuredHost
 
 
 class Drafter(Protocol):
@@ -122,6 +125,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.generator = torch.Generator().manual_seed(seed)  # unseeded requests' draws (host)
         self.stats = SpecStats(per_position=[0] * spec.k)
+        self.structured: StructuredHost | None = None  # the engine's, for constrained rows
 
     @classmethod
     def build(
@@ -184,6 +188,10 @@ class SpecDecoder:
             logits_indices=torch.arange(len(seqs) * (k + 1), device=self.runner.device),
         )
         logits, _ = self.runner.execute_model(verify_batch(seqs, drafts), spec=meta)
+        host = self.structured
+        mask = host.verify_mask(seqs, drafts) if host is not None else None
+        if mask is not None:  # row i of a request: its grammar after drafts[:i]
+            logits = mask.apply(logits[: len(seqs) * (k + 1)])
         gens = [self._generator(s) for s in seqs]
         verdicts = verify(logits, drafts, [s.params for s in seqs], gens, self.generator)
         self.stats.steps += 1
