@@ -147,9 +147,10 @@ def test_corrupt_artifact_is_recompiled_with_a_warning(cold_cache: tuple[str, di
     assert result["counters"]["pieces_compiled"] == 1
     assert result["counters"]["artifacts_loaded"] == LAYERS
     assert "unusable" in stderr and "recompiling" in stderr
+    assert result["counters"]["cache_corrupt"] >= 1  # the recompile is told from a plain miss
     healed, _ = run_worker(cache_dir)
     assert healed["counters"]["artifacts_loaded"] == LAYERS + 1
-    assert "pieces_compiled" not in healed["counters"]
+    assert "pieces_compiled" not in healed["counters"] and "cache_corrupt" not in healed["counters"]
 
 
 def test_corrupt_index_is_rebuilt(cold_cache: tuple[str, dict[str, Any]], tmp_path: Path) -> None:

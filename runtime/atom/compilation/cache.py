@@ -117,6 +117,7 @@ class CompilerManager:
             compiled = self.compiler.load(self.cache[key], graph, example_inputs, graph_index, runtime_shape)
         except (CorruptArtifactError, ValueError, TypeError) as exc:
             logger.warning("compile cache entry %s is unusable (%s); recompiling", key, exc)
+            counters.inc("cache_corrupt")  # shows a recompile that was not a plain miss
             del self.cache[key]
             return None
         logger.debug("loaded piece %s from %s", key, self.cache_dir)

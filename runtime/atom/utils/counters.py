@@ -2,7 +2,8 @@
 
 Tests read them to prove what happened (compiled vs loaded from cache), and /metrics and
 /status export them. Names in use (docs/architecture.md): graphs_compiled, pieces,
-pieces_compiled, artifacts_saved, artifacts_loaded, cache_hits, cache_misses, graphs_recorded,
+pieces_compiled, artifacts_saved, artifacts_loaded, cache_hits, cache_misses, cache_corrupt (an
+entry found unusable: missing, truncated or failing its checksum; compiled again), graphs_recorded,
 graph_replays, eager_region_runs; each forward by the kind its StepPlan named: eager_steps,
 req_graph_replays, token_graph_replays; speculative decoding: verify_graph_replays,
 draft_graph_replays, spec_verify_steps.
