@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 from atom.compilation.levels import CompilationLevel, CUDAGraphMode, default_capture_sizes  # noqa: F401 - the guide imports them from here
+from atom.lora.config import LoRAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -291,12 +292,19 @@ class Config:
     speculative_config: SpeculativeConfig | None = None
     # Tensor parallelism (atom.distributed): ranks of one host; enters the compile-cache key.
     tensor_parallel_size: int = 1
+    # Multi-LoRA (atom.lora): None = off (the model path has no LoRA op); a dict is parsed.
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.compilation_config, dict):
             self.compilation_config = CompilationConfig.from_dict(self.compilation_config)
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if isinstance(self.lora_config, dict):
+            self.lora_config = LoRAConfig.from_dict(self.lora_config)
+        if self.lora_config is not None and self.speculative_config is not None:
+            raise ValueError("lora_config and speculative_config cannot be combined (drafts "
+                             "would run without the adapters)")
         self._validate_serving_fields()
         if self.served_model_name is None:
             self.served_model_name = self.model
@@ -428,6 +436,9 @@ class Config:
         if self.speculative_config is not None:
             # Verify buckets of k + 1 rows are different captured (and compiled) work.
             out["speculative"] = self.speculative_config.hash_factors()
+        if self.lora_config is not None:
+            # The LoRA path is other traced code with other buffers (left out when off).
+            out["lora"] = self.lora_config.hash_factors()
         if self.tensor_parallel_size > 1:
             # Shard shapes and collectives are other compiled code: never shared across TP
             # sizes. Left out at 1 so single-GPU caches keep their key.

@@ -11,7 +11,7 @@ built from `SeqRows` (speculative decoding's) give the same columns.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Protocol
 
@@ -29,6 +29,7 @@ class ScheduledSequence(Protocol):
     num_computed_tokens: int
     num_scheduled_tokens: int
     pending_src: int | None
+    lora_slot: int  # its LoRA adapter's slot (0: none, atom.lora)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class SeqRows:
     block_table: list[int]
     pending_src: int | None  # row of the previous step's sampled ids its PENDING_TOKEN takes
     samples: bool  # the step computes the sequence's last token: its last row gives logits
+    lora_slot: int = 0  # its LoRA adapter's slot (0: none)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -59,6 +61,9 @@ class StepRows:
     block_tables: list[list[int]]
     pending_src: list[int | None]
     samples: list[bool]
+    # each sequence's LoRA slot (0: none); empty: none has one (a worker's step: LoRA runs
+    # at one rank only)
+    lora_slots: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, seqs: list[SeqRows]) -> StepRows:
@@ -70,6 +75,7 @@ class StepRows:
             [s.block_table for s in seqs],
             [s.pending_src for s in seqs],
             [s.samples for s in seqs],
+            [s.lora_slot for s in seqs],
         )
 
     def seq_rows(self) -> list[SeqRows]:
@@ -83,6 +89,7 @@ class StepRows:
                     self.block_tables[i],
                     self.pending_src[i],
                     self.samples[i],
+                    self.lora_slots[i] if self.lora_slots else 0,
                 )
             )
             row += n
@@ -135,6 +142,7 @@ class StepBatch:
             [s.block_table for s in seqs],
             [s.pending_src for s in seqs],
             samples,
+            [s.lora_slot for s in seqs],
         )
         return cls(None, is_prefill, rows=rows, shared_kv=shared_kv)
 

@@ -30,6 +30,7 @@ from atom.distributed.parallel_state import tp_rank, tp_size
 from atom.engine.batch import PENDING_TOKEN, StepBatch, StepRows
 from atom.engine.host_staging import HostStaging
 from atom.layers.sharding import split_evenly
+from atom.lora.manager import LoRAManager
 from atom.models.loader import build_model
 from atom.models.model_config import ModelConfig
 from atom.models.registry import load_model_config
@@ -127,6 +128,15 @@ class ModelRunner:
                                                     dtype=self.dtype, device=self.device)}
         self.num_kv_blocks = 0
         self.dummy_block = -1  # reserved block that dummy/capture batches write into
+        # Multi-LoRA (atom.lora): the adapters' slots and buffers; None: the model has no
+        # LoRA path at all. A drafter runs the base model.
+        self.lora: LoRAManager | None = None
+        if config.lora_config is not None and not is_draft:
+            from atom.lora.attach import attach_lora
+
+            self.lora = attach_lora(self.model, config.lora_config, self.max_num_rows,
+                                    self.dtype, self.device)
+            self.lora.rows.use_slots(self.forward_vars["lora_slots"])
 
     # ---- buffers -------------------------------------------------------------------------
     def _input_staging(self) -> HostStaging:
@@ -141,6 +151,9 @@ class ModelRunner:
             "cu_seqlens_q": (i32, (seqs + 1,), 0),
             "cu_seqlens_k": (i32, (seqs + 1,), 0),
             "block_tables": (i32, (seqs, self.max_blocks_per_seq), 0),
+            # each row's LoRA slot (0: none), only when adapters are served
+            **({"lora_slots": (i64, (rows,), 0)} if self.config.lora_config is not None
+               and not self.is_draft else {}),
         }, self.device)
 
     def kv_heads_per_rank(self) -> int:
@@ -287,6 +300,8 @@ class ModelRunner:
         keyed = num_rows > SMALL_BATCH_ROWS and verify_rows == 1
         self.staging.put_rows("block_tables", r.block_tables,
                               keys=r.request_ids if keyed else None)
+        if self.lora is not None:
+            self.staging.put("lora_slots", self.lora.row_slots(r.num_tokens, r.lora_slots, rows))
         if num_rows > SMALL_BATCH_ROWS:  # each row's slot, from its own staged table
             assert isinstance(pos, np.ndarray)  # _rows_by_column's
             blocks = pos // bs

@@ -61,6 +61,8 @@ class Sequence:
         # Extra key bytes of every block (prefix_cache.BlockKeyExtra): a LoRA adapter's id or a
         # tenant's cache salt; multimodal inputs would add their hashes per block.
         self.cache_salt = b""
+        self.lora_slot = 0  # its LoRA adapter's slot in the runner's buffers (0: none)
+        self.lora_name: str | None = None  # the adapter it was asked for (metrics)
 
         # Speculative decoding: tokens whose KV the draft model's cache holds (reset with the
         # blocks on preemption), and the host generator of a seeded request's acceptance draws.

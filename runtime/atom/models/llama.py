@@ -31,6 +31,7 @@ from atom.layers.rmsnorm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding
 from atom.layers.sharding import WeightTarget, split_evenly
 from atom.layers.vocab_embedding import VocabParallelEmbedding
+from atom.lora.weights import LoRALayer
 from atom.models.model_config import ModelConfig
 
 
@@ -78,16 +79,21 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, layer_id)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
-               residual: torch.Tensor) -> torch.Tensor:
-        """The residual stream after attention over the merged q/k/v projection's output and
-        o_proj. The attention op applies rotary and o_proj with the residual add (at decode
-        sizes on CUDA, attention and o_proj are one launch)."""
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of the merged projection's output (q and k normed under qk_norm)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        return q, k, v
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention over the merged q/k/v projection's output and
+        o_proj. The attention op applies rotary and o_proj with the residual add (at decode
+        sizes on CUDA, attention and o_proj are one launch)."""
+        q, k, v = self.split_qkv(qkv)
         # strided views: the kernels read rows by stride
         if self.tp.world_size == 1:
             return self.attn(q, k, v, positions, self.rotary_emb, o_proj=self.o_proj,
@@ -124,12 +130,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Multi-LoRA (atom.lora.attach sets it): the projections run unfused, each plus its
+        # rows' adapter update. None: the fused path below, untouched.
+        self.lora: LoRALayer | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The residual stream in, the residual stream out. Each norm runs inside the
         projection after it, the SiLU gate inside gate_up, and each residual add inside the
         projection before it (atom.layers.norm_linear: one kernel per projection at decode
         sizes on CUDA; o_proj inside the attention op)."""
+        if self.lora is not None:
+            return self._forward_lora(self.lora, positions, hidden)
         # overlap: in the forward no kernel writes the parameters, the cache or the step's
         # metadata, so each launch may start while the one before it ends.
         qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj, overlap=True)
@@ -141,6 +152,22 @@ class LlamaDecoderLayer(nn.Module):
         partial = linear_add(act, self.mlp.down_proj, hidden if self.tp.rank == 0 else None,
                              overlap=True)
         return tensor_parallel_all_reduce(partial)
+
+    def _forward_lora(self, lora: LoRALayer, positions: torch.Tensor,
+                      hidden: torch.Tensor) -> torch.Tensor:
+        """forward's math with each projection's LoRA delta added to its output (before the
+        SiLU gate for gate/up): the norms and projections as separate ops, since the delta
+        needs each projection's input (one rank only: atom.lora.attach)."""
+        attn, mlp = self.self_attn, self.mlp
+        x = self.input_layernorm(hidden)
+        qkv = linear_add(x, attn.qkv_proj, None) + lora.delta("qkv", x)
+        q, k, v = attn.split_qkv(qkv)
+        out = attn.attn(q, k, v, positions, attn.rotary_emb)
+        hidden = linear_add(out, attn.o_proj, hidden) + lora.delta("o", out)
+        x = self.post_attention_layernorm(hidden)
+        gate, up = (linear_add(x, mlp.gate_up_proj, None) + lora.delta("gate_up", x)).chunk(2, -1)
+        act = torch.nn.functional.silu(gate) * up
+        return linear_add(act, mlp.down_proj, hidden) + lora.delta("down", act)
 
 
 @token_graph
