@@ -44,13 +44,15 @@ class BaseTokenizer:
         return {}
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render chat messages to a prompt string (the template adds BOS, so encode without it)."""
+        """Render chat messages to a prompt string (the template adds BOS, so encode without it).
+        tools: the request's tools, for a template that renders them (`tools` in Jinja)."""
         if self.chat_template:
-            return _render_jinja(
-                self.chat_template, messages, add_generation_prompt, self._template_vars()
-            )
+            extra = self._template_vars() if tools is None else {**self._template_vars(),
+                                                                 "tools": tools}
+            return _render_jinja(self.chat_template, messages, add_generation_prompt, extra)
         return plain_chat_prompt(messages, add_generation_prompt)
 
 
