@@ -71,6 +71,7 @@ class RequestResult:
     output_tokens: int = 0
     events: int = 0
     error: str = ""
+    nth: int = 0  # the client's nth request (0: its first, sent with the first wave's burst)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -173,7 +174,9 @@ async def _clients(
                     "temperature": 0.0,
                     **({"logprobs": 1} if logprobs else {}),
                 }
-                out.append(await one_request(session, url, body))
+                res = await one_request(session, url, body)
+                res.nth = len(out)
+                out.append(res)
             return out
 
         done = await asyncio.gather(*(worker() for _ in range(clients)))
@@ -215,6 +218,7 @@ def run_served(
     tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft_s * 1000 for r in ok]
     itl = [x * 1000 for r in ok for x in r.itl_s]
+    later = [r.ttft_s * 1000 for r in ok if r.nth > 0]
     return {
         **result_counts(results, wall),
         "tok_s": round(tokens / wall, 1) if wall > 0 else 0.0,
@@ -222,6 +226,9 @@ def run_served(
         # > 0: a client process came up after the common start (CLIENT_START_S too short)
         "client_start_late_ms": round(late_ms, 1),
         "ttft_ms": {"p50": round(percentile(ttft, 50), 3), "p99": round(percentile(ttft, 99), 3)},
+        # each client's second and later requests: TTFT without the first wave's burst
+        "ttft_later_ms": {"p50": round(percentile(later, 50), 3),
+                          "p99": round(percentile(later, 99), 3)},
         "itl_ms": {"p50": round(percentile(itl, 50), 3), "p99": round(percentile(itl, 99), 3)},
     }
 
