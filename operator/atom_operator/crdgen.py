@@ -145,6 +145,16 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Level", "type": "integer", "jsonPath": ".spec.compilation.level"},
                         {"name": "Mode", "type": "string", "jsonPath": ".status.graphMode"},
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                        {
+                            "name": "Current",
+                            "type": "string",
+                            "jsonPath": ".status.currentReplicas",
+                        },
+                        {
+                            "name": "Desired",
+                            "type": "string",
+                            "jsonPath": ".status.desiredReplicas",
+                        },
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {
                             "name": "Reason",

@@ -39,6 +39,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     "AtomDeployment": ("/apis/atom.dev/v1alpha1", "atomdeployments"),
 }
 

@@ -223,11 +223,16 @@ def deployments(snap: Snapshot) -> list[Problem]:
     return out
 
 
-def foreign_scalers(snap: Snapshot, owned_deployments: set[str]) -> list[Problem]:
+def foreign_scalers(
+    snap: Snapshot, owned_deployments: set[str], ours: frozenset[str] = frozenset()
+) -> list[Problem]:
     """HorizontalPodAutoscalers aimed at a child Deployment: the operator sets its replicas
-    from the spec on every reconcile, so the two would fight."""
+    from the spec on every reconcile, so the two would fight. `ours`: the HPAs KEDA made for
+    this object's ScaledObjects (the operator leaves those Deployments' replicas alone)."""
     out = []
     for hpa in snap.autoscalers:
+        if hpa["metadata"]["name"] in ours:
+            continue
         target = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
         if target.get("kind") == "Deployment" and target.get("name") in owned_deployments:
             out.append(

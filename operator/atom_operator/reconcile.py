@@ -25,6 +25,9 @@ from atom_operator.snapshot import Snapshot
 from atom_operator.spec import GROUP, KIND, VERSION, AtomDeploymentSpec
 
 SECRET_RECHECK_S = 300.0  # a token Secret deleted by hand comes back within this long
+# Kinds of optional CRDs: an apply answered 404 means the CRD is not installed, which a
+# condition reports (MonitoringReady, AutoscalingReady, InferencePoolReady); not a failure.
+OPTIONAL_KINDS = ("PodMonitor", "ScaledObject", "InferencePool")
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Result:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     monitoring_unavailable: bool = False
+    missing_kinds: set[str] = field(default_factory=set)  # optional CRDs not installed
     recheck_in: float | None = None  # seconds until the status may change with no event
 
 
@@ -71,6 +75,8 @@ def observe(kube: Kube, owner: Owner, claim: str | None) -> Snapshot:
         network_policies=owned(kube.list("NetworkPolicy", ns, selector)),
         pvc=kube.get("PersistentVolumeClaim", ns, claim) if claim else None,
         pod_monitors=owned(_optional_list(kube, "PodMonitor", ns, selector)),
+        scaled_objects=owned(_optional_list(kube, "ScaledObject", ns, selector)),
+        inference_pools=owned(_optional_list(kube, "InferencePool", ns, selector)),
         autoscalers=_optional_list(kube, "HorizontalPodAutoscaler", ns, ""),
     )
 
@@ -186,9 +192,10 @@ def reconcile(
             memory.applied.record(obj, kube.apply(obj))
             result.applied += 1
         except ApiError as exc:
-            if obj["kind"] == "PodMonitor" and exc.status == 404:
-                # The PodMonitor CRD is not installed: a condition says so; not a failure.
-                result.monitoring_unavailable = True
+            if obj["kind"] in OPTIONAL_KINDS and exc.status == 404:
+                # Its CRD is not installed: a condition says so; not a failure.
+                result.missing_kinds.add(obj["kind"])
+                result.monitoring_unavailable |= obj["kind"] == "PodMonitor"
                 continue
             # One refused child (say, a PVC that cannot shrink) must not block the others.
             msg = f"{obj['kind']} {obj['metadata']['name']}: {exc.message}"
@@ -217,6 +224,7 @@ def reconcile(
         previous_conditions=(previous_status or {}).get("conditions"),
         apply_errors=result.errors,
         monitoring_unavailable=result.monitoring_unavailable,
+        missing_kinds=frozenset(result.missing_kinds),
     )
     recheck = status.recheck_at(snap, now)
     if recheck is not None:

@@ -18,6 +18,8 @@ class Snapshot:
     disruption_budgets: list[dict[str, Any]] = field(default_factory=list)
     network_policies: list[dict[str, Any]] = field(default_factory=list)
     pod_monitors: list[dict[str, Any]] = field(default_factory=list)
+    scaled_objects: list[dict[str, Any]] = field(default_factory=list)  # KEDA's, if served
+    inference_pools: list[dict[str, Any]] = field(default_factory=list)
     pvc: dict[str, Any] | None = None
     autoscalers: list[dict[str, Any]] = field(default_factory=list)  # HPAs of the namespace
 
@@ -35,6 +37,8 @@ class Snapshot:
             ("PodDisruptionBudget", self.disruption_budgets),
             ("NetworkPolicy", self.network_policies),
             ("PodMonitor", self.pod_monitors),
+            ("ScaledObject", self.scaled_objects),
+            ("InferencePool", self.inference_pools),
         ]
 
     def by_key(self) -> dict[tuple[str, str], dict[str, Any]]:

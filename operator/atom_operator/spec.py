@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints
 
+from atom_operator.autoscaling_spec import ScalingPolicy
 from atom_operator.crd_rules import (
     DEFAULT_MAX_NUM_SEQS,
     GPU_RESOURCE,
@@ -43,6 +44,16 @@ KV_TRANSPORTS: tuple[str, ...] = KVTransport.__args__  # type: ignore[attr-defin
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # Volume sources that reach the node itself (files, host binaries, git on the host).
 HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
+# Autoscaling of the unified role and of disaggregated roles are separate fields.
+AUTOSCALING_RULES = (
+    {
+        "rule": "!has(self.autoscaling) || !has(self.disaggregation)",
+        "message": "spec.autoscaling scales the unified role: with disaggregation set "
+        "disaggregation.prefill.autoscaling and disaggregation.decode.autoscaling instead",
+        "fieldPath": ".autoscaling",
+        "reason": "FieldValueForbidden",
+    },
+)
 
 
 def _quantities(kind: str) -> dict[str, Any]:
@@ -244,6 +255,13 @@ class RoleSpec(CamelModel):
         default=None,
         description="Parallelism of this role's pods; an unset tensor inherits spec.parallelism.",
     )
+    autoscaling: ScalingPolicy | None = Field(
+        default=None,
+        description="Scale this role with KEDA: a ScaledObject aimed at the role's Deployment "
+        "of the current revision (the operator then leaves its replicas to the HPA; replicas "
+        "above is only the count before the HPA acts). Needs KEDA's CRDs; the "
+        "AutoscalingReady condition says when they are missing.",
+    )
 
 
 class RouterSpec(CamelModel):
@@ -424,7 +442,10 @@ class AtomDeploymentSpec(CamelModel):
     """Desired state of an ATOM model server."""
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [{**rule} for rule in spec_rules()]}
+        json_schema_extra={
+            "x-kubernetes-validations": [{**rule} for rule in spec_rules()]
+            + [{**rule} for rule in AUTOSCALING_RULES]
+        }
     )
 
     image: str | None = Field(
@@ -522,6 +543,20 @@ class AtomDeploymentSpec(CamelModel):
     speculative: SpeculativeSpec | None = Field(
         default=None,
         description="Speculative decoding (n-gram or draft model) of the unified and decode roles.",
+    )
+    autoscaling: ScalingPolicy | None = Field(
+        default=None,
+        description="Scale the unified role with KEDA: a ScaledObject aimed at this "
+        "AtomDeployment's scale subresource, so the HPA writes spec.replicas (tell Argo CD or "
+        "Flux to ignore it: docs/autoscaling.md). Disaggregated roles scale with "
+        "disaggregation.<role>.autoscaling. Needs KEDA's CRDs; the AutoscalingReady condition "
+        "says when they are missing.",
+    )
+    inference_pool: bool = Field(
+        default=False,
+        description="Render a Gateway API Inference Extension InferencePool "
+        "(inference.networking.k8s.io/v1) selecting the serving pods (unified pods, or the "
+        "router when disaggregated) on the HTTP port, for a GIE gateway and its endpoint picker.",
     )
 
     @property

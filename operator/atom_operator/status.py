@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from atom_operator import naming, problems, runtime_args
+from atom_operator import autoscaling_status, naming, problems, runtime_args
 from atom_operator.builders import Plan
 from atom_operator.problems import CLAIM_PENDING_GRACE, Problem, parse_time
 from atom_operator.snapshot import (
@@ -38,11 +38,13 @@ def _timestamp(now: datetime) -> str:
     return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def role_counts(spec: AtomDeploymentSpec, snap: Snapshot, role: str, revision: str) -> RoleStatus:
+def role_counts(
+    spec: AtomDeploymentSpec, snap: Snapshot, role: str, revision: str, instance: str = ""
+) -> RoleStatus:
     pods = live_pods(snap, role)
     current = [p for p in pods if label(p, naming.LABEL_REVISION) == revision]
     return RoleStatus(
-        replicas=runtime_args.role_replicas(spec, role),
+        replicas=autoscaling_status.desired_replicas(spec, snap, instance, role, revision),
         ready_replicas=sum(pod_ready(p) for p in current),
         updated_replicas=len(current),
         revision=revision,
@@ -170,13 +172,14 @@ def compute_status(
     previous_conditions: list[dict[str, Any]] | None = None,
     apply_errors: list[str] | None = None,
     monitoring_unavailable: bool = False,
+    missing_kinds: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The whole status stanza (camelCase), ready for the status subresource."""
     rev = plan.revision
     roles: dict[str, RoleStatus] = {}
     ready_roles = 0
     for role in runtime_args.roles(spec):
-        counts = role_counts(spec, snap, role, rev)
+        counts = role_counts(spec, snap, role, rev, name)
         roles[role] = counts
         ready_roles += _role_ready(counts, snap, role, rev)
     total_roles = len(roles)
@@ -209,7 +212,7 @@ def compute_status(
         + problems.scheduling(snap, now)
         + problems.containers(snap)
         + problems.crash_loops(snap)
-        + problems.foreign_scalers(snap, plan.owned_deployments())
+        + problems.foreign_scalers(snap, plan.owned_deployments(), plan.autoscalers)
     )
     all_ready = ready_roles == total_roles
 
@@ -276,6 +279,12 @@ def compute_status(
                 previous,
             )
         )
+    for ctype, parts in (
+        ("AutoscalingReady", autoscaling_status.autoscaling_condition(name, spec, snap, missing_kinds)),
+        ("InferencePoolReady", autoscaling_status.inference_pool_condition(spec, missing_kinds)),
+    ):
+        if parts is not None:
+            conditions.append(_condition(ctype, *parts, generation, now, previous))
     phase: Phase
     if found:
         phase = "Degraded"
@@ -312,6 +321,8 @@ def compute_status(
         kv_transport=runtime_args.kv_transport(spec),
         ready=f"{ready_roles}/{total_roles}",
         replicas=unified.updated_replicas if unified else 0,
+        current_replicas=per_role(spec, lambda role: str(roles[role].updated_replicas)),
+        desired_replicas=per_role(spec, lambda role: str(roles[role].replicas)),
         selector=naming.selector_string(naming.selector_labels(name, naming.UNIFIED)),
     )
     return _dumped(status)

@@ -18,7 +18,8 @@ class Condition(CamelModel):
     """A standard condition."""
 
     type: str = Field(
-        description="Ready, Progressing, Degraded, CompileCacheReady or MonitoringReady."
+        description="Ready, Progressing, Degraded, CompileCacheReady, MonitoringReady, "
+        "AutoscalingReady or InferencePoolReady."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason.")
@@ -89,6 +90,16 @@ class AtomDeploymentStatus(CamelModel):
     )
     ready: str | None = Field(default=None, description="Ready roles / roles.")
     replicas: int | None = Field(default=None, description="Unified pods (scale subresource).")
+    current_replicas: str | None = Field(
+        default=None,
+        description="Pods at the current revision per runtime role (role=count pairs when "
+        "roles differ); printer column Current.",
+    )
+    desired_replicas: str | None = Field(
+        default=None,
+        description="Pods each runtime role should run (the spec's, or what the HPA asked for "
+        "on an autoscaled role); printer column Desired.",
+    )
     selector: str | None = Field(
         default=None, description="Label selector of unified pods (scale subresource)."
     )

@@ -37,9 +37,11 @@ def test_names_subresources_and_columns() -> None:
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Level", "Mode", "Ready", "Phase", "Reason", "Age", "TP"]
-    assert version["additionalPrinterColumns"][6]["priority"] == 1  # -o wide
-    reason = version["additionalPrinterColumns"][4]
+    assert columns == [
+        "Level", "Mode", "Ready", "Current", "Desired", "Phase", "Reason", "Age", "TP"
+    ]
+    assert version["additionalPrinterColumns"][8]["priority"] == 1  # -o wide
+    reason = version["additionalPrinterColumns"][6]
     assert reason["jsonPath"] == '.status.conditions[?(@.type=="Degraded")].reason'
 
 

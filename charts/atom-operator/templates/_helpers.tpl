@@ -84,6 +84,14 @@ app.kubernetes.io/component: operator
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "list", "create", "patch", "update", "delete"]
+# A KEDA ScaledObject per autoscaled role, and a Gateway API Inference Extension
+# InferencePool with spec.inferencePool (each when its CRD is installed).
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
 # The internal-token Secret is created once and never read back: create only.
 - apiGroups: [""]
   resources: ["secrets"]

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atom_operator import naming, runtime_args
+from atom_operator.builders.autoscaling import (
+    build_inference_pool,
+    build_scaled_objects,
+    hpa_name,
+    scaled_roles,
+)
 from atom_operator.builders.cache import build_pvc, build_warmup_job
 from atom_operator.builders.common import Owner
 from atom_operator.builders.monitoring import build_pod_monitor
@@ -44,6 +50,7 @@ class Plan:
     endpoint: str = ""
     rolling_without_cache: bool = False  # the claim is being deleted (see plan())
     token_secret: str | None = None  # internal-token Secret to create once (disaggregated)
+    autoscalers: frozenset[str] = frozenset()  # HPAs KEDA makes for our ScaledObjects
 
     def owned_deployments(self) -> set[str]:
         return {name for kind, name in self.keep if kind == "Deployment"}
@@ -113,6 +120,10 @@ def plan(owner: Owner, spec: AtomDeploymentSpec, image: str, observed: Snapshot)
     for obj in build_network_policies(owner, spec) + build_disruption_budgets(owner, spec):
         out.add(obj)
     out.add(build_pod_monitor(owner, spec))
+    for scaled in build_scaled_objects(owner, spec, rev):
+        out.add(scaled)
+    out.autoscalers = frozenset(hpa_name(owner.name, role) for role in scaled_roles(spec))
+    out.add(build_inference_pool(owner, spec))
     if spec.disaggregated:
         out.token_secret = token_secret_name(owner.name)
     return out
@@ -153,8 +164,12 @@ def _plan_disaggregated(
     rev = out.revision
     roles = (naming.PREFILL, naming.DECODE)
     if all(warm[r] for r in roles):
+        scaled = scaled_roles(spec)
         for role in roles:
-            out.add(build_role_deployment(owner, spec, role, templates[role], rev))
+            dep = build_role_deployment(owner, spec, role, templates[role], rev)
+            if role in scaled:  # the HPA sets its replicas; the spec's only until it acts
+                del dep["spec"]["replicas"]
+            out.add(dep)
             out.add(build_role_service(owner, role, rev))
     else:
         out.waiting_for_warmup.extend(r for r in roles if not warm[r])
