@@ -26,6 +26,7 @@ from atom.engine.params import RequestOutput, SamplingParams
 from atom.entrypoints.api_server import serve
 from atom.entrypoints.core.client import ThreadCore
 from atom.entrypoints.state import ServerState
+from atom.lora.service import LoRAService
 from atom.tokenizer import ByteTokenizer
 
 SCRIPT = "Hello wörld ✓ STOP after the stop"
@@ -37,6 +38,7 @@ class ScriptedEngine(EngineAPI):
     SCRIPT's UTF-8 bytes, then EOS (the engine's own EOS rule: the server adds none)."""
 
     kv_holds: KVHoldRegistry | None = None  # holds nothing for a pull
+    lora: LoRAService | None = None  # serves no LoRA adapter
 
     def __init__(self, max_num_seqs: int = 4, step_s: float = 0.002, script: str = SCRIPT) -> None:
         self.max_num_seqs = max_num_seqs
@@ -58,6 +60,7 @@ class ScriptedEngine(EngineAPI):
         params: SamplingParams | None = None,
         *,
         hold_kv: bool = False,
+        lora_name: str | None = None,
     ) -> None:
         params = params or SamplingParams()
         params.validate()

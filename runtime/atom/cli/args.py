@@ -56,6 +56,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _lora_module(text: str) -> str:
+    """name=path, checked here so argparse names the flag."""
+    from atom.lora.config import parse_lora_module
+
+    try:
+        parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _level(text: str) -> int:
     value = int(text)
     if value not in (0, 1, 2, 3):
@@ -102,6 +113,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks on CPU (GPU: sized from free memory)")
     parser.add_argument("--max-waiting", type=_positive_int, default=1024, help="queue bound; beyond it requests get 429")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules; adapters can then be loaded at runtime)")
+    parser.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=None, metavar="NAME=PATH", help="PEFT LoRA adapters served as models NAME (repeatable)")
+    parser.add_argument("--max-loras", type=_positive_int, default=None, help="LoRA adapters resident at once (default: 1, or the number of --lora-modules)")
+    parser.add_argument("--max-lora-rank", type=_positive_int, default=None, help="largest LoRA rank served (default 16)")
     parser.add_argument("--log-level", default="info")
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # type names only: the core imports this module without torch
     from atom.disagg.holds import KVHoldRegistry
     from atom.engine.block_manager import BlockManager
     from atom.executor.protocol import ModelExecutor
+    from atom.lora.service import LoRAService
 
 
 @dataclass
@@ -37,8 +38,14 @@ class EngineAPI(Protocol):
         """Prompt blocks kept for a pull (atom.disagg); None: this engine keeps none."""
         ...
 
+    @property
+    def lora(self) -> LoRAService | None:
+        """Multi-LoRA adapters (atom.lora); None: this engine serves none."""
+        ...
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, *, hold_kv: bool = False) -> None: ...
+                    params: SamplingParams | None = None, *, hold_kv: bool = False,
+                    lora_name: str | None = None) -> None: ...
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               first_token: int, params: SamplingParams | None,

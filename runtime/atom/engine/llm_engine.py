@@ -40,7 +40,7 @@ from atom.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from atom.engine.token_check import out_of_vocab
 from atom.engine.warmup import warm_up
 from atom.executor.protocol import ModelExecutor
-from atom.lora.service import LoRAService, LoRAUsage
+from atom.lora.service import LoRAService
 from atom.models.registry import load_model_config
 from atom.spec_decode.decoder import SpecDecoder
 from atom.structured.host import StructuredHost
@@ -150,7 +150,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         # Multi-LoRA (atom.lora): None when no adapters are served.
         manager = self.local_runner.lora
-        self.lora: LoRAService | None = LoRAService(manager) if manager is not None else None
+        self.lora: LoRAService | None = (LoRAService(manager, self.scheduler)
+                                         if manager is not None else None)
         self._arrival = itertools.count()
         self.warmed_up = False
         self.warmup_summary: dict[str, Any] = {}
@@ -297,18 +298,6 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         _drop_pending(seq, len(seq.token_ids))
         self._pending.append(self._output(seq, [], []))
-
-    def unload_lora(self, name: str) -> None:
-        """Free adapter `name` (a KeyError when not loaded, a ValueError while in use)."""
-        if self.lora is None:
-            raise KeyError(name)
-        self.lora.unload(name, self._seqs.values())
-
-    def lora_usage(self) -> LoRAUsage | None:
-        """The adapters of the running and waiting requests (None: no LoRA served)."""
-        if self.lora is None:
-            return None
-        return self.lora.usage(self.scheduler.running, self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending)

@@ -26,6 +26,7 @@ from atom.entrypoints.disagg_routes import decode_options, release_quietly, serv
 from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
 from atom.entrypoints.info import prefix_cache_info
 from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
+from atom.entrypoints.lora_routes import adapter_cards, add_lora_routes, served_model
 from atom.entrypoints.metrics import CONTENT_TYPE, captured_buckets
 from atom.entrypoints.openai_format import DONE, OpenAIFormatter, dumps, sse
 from atom.entrypoints.protocol import GenerationRequest, chat_request, completion_request
@@ -63,6 +64,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/status", status)
     # The hold registry and the secrets' key are the core's: the route asks it.
     app.router.add_post(RELEASE_PATH, release_handler(_hold_release))
+    add_lora_routes(app, STATE_KEY)
     return app
 
 
@@ -151,7 +153,8 @@ async def livez(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    return _json({"object": "list", "data": [_model_card(request.app[STATE_KEY])]})
+    state = request.app[STATE_KEY]
+    return _json({"object": "list", "data": [_model_card(state), *adapter_cards(state)]})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -329,12 +332,15 @@ async def _generate(
         )
     kv = body.get("kv_transfer")  # disaggregation (docs/architecture.md); absent: unified
     mode = parse_mode(kv.get("mode")) if isinstance(kv, dict) else None
+    served, lora_name = served_model(state, body)  # a LoRA adapter's name selects it
+    if lora_name is not None and kv is not None:
+        raise APIError(400, "LoRA adapters are not served with kv_transfer", param="model")
     try:
         if chat:
             req = chat_request(
                 body,
                 state.tokenizer,
-                state.served_model_name,
+                served,
                 state.max_model_len,
                 state.vocab_size,
             )
@@ -342,7 +348,7 @@ async def _generate(
             req = completion_request(
                 body,
                 state.tokenizer,
-                state.served_model_name,
+                served,
                 state.max_model_len,
                 state.vocab_size,
             )
@@ -351,7 +357,7 @@ async def _generate(
             release_quietly(state, kv)
         raise
     if kv is None:
-        return await _serve(request, state, req, chat, outcome, slot)
+        return await _serve(request, state, req, chat, outcome, slot, lora_name=lora_name)
     if mode is KVMode.PREFILL:
         return await serve_prefill(state, req, chat, outcome, slot)
     if mode is KVMode.DECODE:

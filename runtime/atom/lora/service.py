@@ -22,10 +22,14 @@ class AdapterSeq(Protocol):
     cache_salt: bytes
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    name: str
-    path: str
+class LiveQueues(Protocol):
+    """Where the live requests are (atom.engine.scheduler.Scheduler)."""
+
+    @property
+    def running(self) -> Iterable[AdapterSeq]: ...
+
+    @property
+    def waiting(self) -> Iterable[AdapterSeq]: ...
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class LoRAUsage:
 
 
 class LoRAService:
-    def __init__(self, manager: LoRAManager) -> None:
-        self.manager = manager
+    def __init__(self, manager: LoRAManager, queues: LiveQueues) -> None:
+        self.manager, self.queues = manager, queues
 
     def assign(self, seq: AdapterSeq, name: str | None) -> None:
         """seq runs under adapter `name` (None: the base model); a ValueError for an
@@ -53,22 +57,25 @@ class LoRAService:
     def load(self, name: str, path: str) -> None:
         self.manager.load(name, path)
 
-    def unload(self, name: str, live: Iterable[AdapterSeq]) -> None:
+    def unload(self, name: str) -> None:
         """Free the adapter's slot; a KeyError when not loaded, a ValueError while a live
         request still uses it."""
         adapter = self.manager.adapters.get(name)
         if adapter is None:
             raise KeyError(name)
+        live = [*self.queues.running, *self.queues.waiting]
         users = sum(1 for s in live if s.lora_slot == adapter.slot)
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s)")
         self.manager.unload(name)
 
-    def adapters(self) -> list[AdapterInfo]:
-        return [AdapterInfo(a.name, a.path) for a in self.manager.adapters.values()]
+    def adapters(self) -> dict[str, str]:
+        """Loaded adapter name -> the directory it was read from."""
+        return {a.name: a.path for a in self.manager.adapters.values()}
 
-    def usage(self, running: Iterable[AdapterSeq], waiting: Iterable[AdapterSeq]) -> LoRAUsage:
+    def usage(self) -> LoRAUsage:
         def names(seqs: Iterable[AdapterSeq]) -> tuple[str, ...]:
             return tuple(sorted({s.lora_name for s in seqs if s.lora_name is not None}))
 
-        return LoRAUsage(self.manager.config.max_loras, names(running), names(waiting))
+        return LoRAUsage(self.manager.config.max_loras, names(self.queues.running),
+                         names(self.queues.waiting))

@@ -194,6 +194,10 @@ class CoreClient:
         self._scrapes: dict[int, asyncio.Future] = {}
         self._scrape_seq = 0
         self._releases: dict[int, asyncio.Future] = {}
+        self._lora_replies: dict[int, asyncio.Future] = {}
+        # Loaded LoRA adapters, name -> directory (None: the engine serves none): from the
+        # engine's facts, then every change the core announces.
+        self.lora_adapters: dict[str, str] | None = None
         self._tasks: list[asyncio.Task] = []
         self._enc = msgs.encoder()
 
@@ -291,6 +295,7 @@ class CoreClient:
         first_logprob: float | None = None,
         kv_pull: KVHandle | None = None,
         cached_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> RequestStream:
         if self.state != "ready":
             raise EngineDead(f"the engine is {self.state}: {self.reason}")
@@ -304,6 +309,7 @@ class CoreClient:
             first_logprob,
             kv_pull,
             cached_tokens,
+            lora_name,
         )
         data = self._enc.encode(msg)  # an unrepresentable value fails here, before any state
         stream = RequestStream(request_id)
@@ -349,6 +355,26 @@ class CoreClient:
             return False
         finally:
             self._releases.pop(seq, None)
+
+    async def change_lora(self, load: bool, name: str, path: str = "",
+                          timeout: float = 60.0) -> msgs.LoRAReply:
+        """Load (load=True, from path) or unload a LoRA adapter in the core; its answer (a
+        503 reply when the core is not ready or does not answer in time)."""
+        if self.state != "ready" or self.core_exit() is not None:
+            return msgs.LoRAReply(0, 503, "engine_not_ready", f"the engine is {self.state}")
+        self._scrape_seq += 1
+        seq = self._scrape_seq
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_replies[seq] = fut
+        self._send(msgs.LoadLoRA(self.client_index, seq, name, path) if load
+                   else msgs.UnloadLoRA(self.client_index, seq, name))
+        try:
+            reply: msgs.LoRAReply = await asyncio.wait_for(fut, timeout)
+            return reply
+        except TimeoutError:
+            return msgs.LoRAReply(seq, 503, "engine_timeout", "the engine core did not answer")
+        finally:
+            self._lora_replies.pop(seq, None)
 
     async def scrape(self, snapshot: bytes = b"", timeout: float = 2.0) -> msgs.MetricsText | None:
         """The core's own Prometheus series (KV transfers; and the engine's and the other API
@@ -410,6 +436,12 @@ class CoreClient:
             fut = self._scrapes.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, msgs.LoRAAdapters):
+            self.lora_adapters = dict(msg.adapters)
+        elif isinstance(msg, msgs.LoRAReply):
+            lora = self._lora_replies.get(msg.seq)
+            if lora is not None and not lora.done():
+                lora.set_result(msg)
         elif isinstance(msg, msgs.HoldReleased):
             fut = self._releases.get(msg.seq)
             if fut is not None and not fut.done():
@@ -423,6 +455,8 @@ class CoreClient:
         if msg.info is not None and self.info is None:
             self.info = msg.info
             self.warmup_summary = msg.info.warmup
+            if self.lora_adapters is None and msg.info.lora_adapters is not None:
+                self.lora_adapters = dict(msg.info.lora_adapters)
             for fn in self.on_ready:
                 fn(msg.info)
         if msg.state == "ready":

@@ -35,6 +35,9 @@ from atom.entrypoints.core.messages import (
     EngineStatus,
     Hello,
     HoldReleased,
+    LoadLoRA,
+    LoRAAdapters,
+    LoRAReply,
     MetricsText,
     ReleaseHold,
     ReleaseKV,
@@ -44,6 +47,7 @@ from atom.entrypoints.core.messages import (
     Shutdown,
     Stats,
     StepOutputs,
+    UnloadLoRA,
     encoder,
     input_decoder,
 )
@@ -238,6 +242,7 @@ class EngineCore:
             warmup=_jsonable(warmup),
             kv=self.kv.info() if self.kv is not None else None,
             eos_token_ids=list(facts.eos_token_ids),
+            lora_adapters=self._engine.lora.adapters() if self._engine.lora is not None else None,
         )
 
     def _loop(self) -> int:
@@ -362,10 +367,36 @@ class EngineCore:
                 self._scrape(msg)
             elif isinstance(msg, ApiMetrics):
                 self._api_metrics[msg.client] = msg.snapshot
+            elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+                self._lora_change(msg)
             elif isinstance(msg, Shutdown):
                 self._set_state("stopped", "shut down")
                 return True
         return False
+
+    def _lora_change(self, msg: LoadLoRA | UnloadLoRA) -> None:
+        """Load or unload an adapter between steps; the requester gets the outcome, every
+        API server the new list (for /v1/models and model-name routing)."""
+        lora = self._engine.lora
+        reply = LoRAReply(msg.seq, 200)
+        if lora is None:
+            reply = LoRAReply(msg.seq, 400, INVALID_REQUEST,
+                              "this server serves no LoRA adapters (start it with --max-loras "
+                              "or --lora-modules)")
+        else:
+            try:
+                if isinstance(msg, LoadLoRA):
+                    lora.load(msg.name, msg.path)
+                else:
+                    lora.unload(msg.name)
+            except KeyError:
+                reply = LoRAReply(msg.seq, 404, "lora_not_found",
+                                  f"LoRA adapter {msg.name!r} is not loaded")
+            except (ValueError, OSError) as exc:
+                reply = LoRAReply(msg.seq, 400, INVALID_REQUEST, str(exc))
+        self._send(msg.client, reply)
+        if lora is not None and reply.status == 200:
+            self._broadcast(LoRAAdapters(lora.adapters()))
 
     def _add(self, msg: AddRequest) -> None:
         self._owner[msg.request_id] = msg.client
@@ -391,7 +422,8 @@ class EngineCore:
             elif msg.hold_kv:
                 self._add_holding(msg, params)
             else:
-                engine.add_request(msg.request_id, msg.prompt_ids, params)
+                engine.add_request(msg.request_id, msg.prompt_ids, params,
+                                   lora_name=msg.lora_name)
         except HoldCapExceeded as exc:  # --max-held-kv-fraction: busy, not unwell
             self._fail(msg.request_id, 503, KV_HOLD_CAP, str(exc))
             self._stats_due = True

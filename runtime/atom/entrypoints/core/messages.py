@@ -28,6 +28,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     first_logprob: float | None = None
     kv_pull: KVHandle | None = None  # decode role: pull these blocks first (None: not needed)
     cached_tokens: int = 0  # decode role: prompt tokens the prefill found in its prefix cache
+    lora_name: str | None = None  # run under this loaded LoRA adapter (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -82,6 +83,24 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class LoadLoRA(msgspec.Struct, tag=True, array_like=True):
+    """POST /v1/load_lora_adapter: answered with LoRAReply, then LoRAAdapters to every API
+    server."""
+
+    client: int
+    seq: int
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag=True, array_like=True):
+    """POST /v1/unload_lora_adapter: answered as LoadLoRA is."""
+
+    client: int
+    seq: int
+    name: str
+
+
 CoreInput = (
     AddRequest
     | AbortRequests
@@ -92,6 +111,8 @@ CoreInput = (
     | Scrape
     | ApiMetrics
     | Shutdown
+    | LoadLoRA
+    | UnloadLoRA
 )
 
 
@@ -143,6 +164,7 @@ class EngineInfo(msgspec.Struct):
     warmup: dict[str, Any]
     kv: KVInfo | None
     eos_token_ids: list[int] = []  # where the engine stops unless ignore_eos (atom.engine.eos)
+    lora_adapters: dict[str, str] | None = None  # None: no LoRA served; else name -> directory
 
 
 class EngineStatus(msgspec.Struct, tag=True, array_like=True):
@@ -164,12 +186,30 @@ class MetricsText(msgspec.Struct, tag=True, array_like=True):
     peers: list[bytes] = []  # the other API servers' latest snapshots (Scrape.snapshot)
 
 
+class LoRAReply(msgspec.Struct, tag=True, array_like=True):
+    """LoadLoRA's or UnloadLoRA's outcome: status 200, or the HTTP error to answer."""
+
+    seq: int
+    status: int
+    code: str = ""
+    message: str = ""
+
+
+class LoRAAdapters(msgspec.Struct, tag=True, array_like=True):
+    """The loaded adapters (name -> directory), sent to every API server when they change."""
+
+    adapters: dict[str, str]
+
+
 class HoldReleased(msgspec.Struct, tag=True, array_like=True):
     seq: int
     released: bool  # False: unknown handle, wrong secret, already pulled/released/expired
 
 
-CoreOutput = StepOutputs | RequestFailed | EngineStatus | Stats | MetricsText | HoldReleased
+CoreOutput = (
+    StepOutputs | RequestFailed | EngineStatus | Stats | MetricsText | HoldReleased | LoRAReply
+    | LoRAAdapters
+)
 
 
 def encoder() -> msgspec.msgpack.Encoder:
