@@ -107,8 +107,6 @@ def test_sizes_are_refused_before_the_engine(server: Proc) -> None:
         ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("tool_choice", "auto"),
-        ("logit_bias", {"50": 100}),
-        ("best_of", 2),
         ("functions", [{"name": "f"}]),
     ],
 )

@@ -476,7 +476,7 @@ def test_health_is_503_with_reason_until_warm() -> None:
             "temperature",
             "valid number",
         ),
-        ("/v1/completions", {"model": "scripted", "prompt": "x", "n": 2}, 400, "n", "n=1"),
+        ("/v1/completions", {"model": "scripted", "prompt": "x", "n": 33}, 400, "n", "n must"),
         (
             "/v1/completions",
             {"model": "scripted", "prompt": [1, 999999]},

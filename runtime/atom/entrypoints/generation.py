@@ -5,17 +5,28 @@ the request's stream: everything the engine produced since the last read, so a b
 formats and writes fewer, larger events instead of one per token. The last one carries the
 finish reason. It aborts the engine sequence whenever it stops early (a stop string matched,
 or the consumer went away), so no sequence outlives its request.
+
+`generate_choices()` runs a request's `n` (or `best_of`) choices as that many engine
+sequences, each Delta tagged with its choice's index. The first runs alone until the engine has
+its prompt's blocks in the prefix cache (its first token; a pulled prompt's second, the step
+that placed the blocks); the others start then, and find every full block of the prompt there
+(prefix-cache references, no recompute: their cached_tokens show it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom.engine.params import SamplingParams
+import msgspec
+
+from atom.engine.params import INT64_MAX, INT64_MIN, SamplingParams, TopLogprobs
 from atom.entrypoints.admission import Slot
 from atom.entrypoints.core.client import (
     CoreClient,
@@ -41,6 +52,8 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_secret: str | None = None  # a finished hold_kv request: its handle's secret (core-made)
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when the request asked
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 @dataclass
@@ -149,6 +162,7 @@ async def generate(
                 completion_tokens=completion_tokens,
                 cached_tokens=out.num_cached_tokens,
                 kv_secret=out.kv_secret,
+                top_logprobs=out.top_logprobs,
             )
         metrics.e2e.observe(time.monotonic() - stream.arrival)
         outcome.finish_reason = finish_reason if finish_reason != "abort" else None
@@ -159,3 +173,108 @@ async def generate(
             slot.release()
         if finish_reason is None:  # cancelled (client gone) or failed: free the sequence
             engine.abort(request_id)
+
+
+async def generate_choices(
+    engine: CoreClient,
+    tokenizer: BaseTokenizer,
+    metrics: ServerMetrics,
+    req: GenerationRequest,
+    request_id: str,
+    outcome: Outcome,
+    slot: Slot | None = None,
+    **opts: Any,
+) -> AsyncGenerator[Delta, None]:
+    """generate() for each of the request's best_of choices (opts go to the first, the one a
+    decode instance received the first token of). best_of == n: the deltas as they come;
+    best_of > n: at the end, the n of highest cumulative logprob, best first."""
+    if req.best_of == 1:
+        async with aclosing(generate(engine, tokenizer, metrics, req, request_id, outcome,
+                                     slot, **opts)) as gen:
+            async for d in gen:
+                yield d
+        return
+    choices = _Choices(engine, tokenizer, metrics, req, request_id, outcome, slot, opts)
+    try:
+        if req.best_of == req.n:
+            while (d := await choices.next()) is not None:
+                yield d
+            return
+        finished: dict[int, list[Delta]] = {}
+        while (d := await choices.next()) is not None:
+            finished.setdefault(d.index, []).append(d)
+        ranked = sorted(finished, key=lambda i: -sum(x for d in finished[i]
+                                                    for x in d.logprobs or ()))
+        for rank, i in enumerate(ranked[:req.n]):
+            for d in finished[i]:
+                yield dataclasses.replace(d, index=rank)
+    finally:
+        await choices.close()
+
+
+def _sibling_seed(seed: int | None, index: int) -> int | None:
+    """Choice i's seed: the request's + i (wrapped to int64), so each choice is reproducible."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % (INT64_MAX - INT64_MIN + 1) + INT64_MIN
+
+
+class _Choices:
+    """The choices' generators, pumped into one queue; the siblings start once the first
+    choice's prompt blocks are cached."""
+
+    def __init__(self, engine: CoreClient, tokenizer: BaseTokenizer, metrics: ServerMetrics,
+                 req: GenerationRequest, request_id: str, outcome: Outcome, slot: Slot | None,
+                 opts: dict[str, Any]) -> None:
+        self._queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+        self._left = req.best_of
+        self._gate = asyncio.Event()
+        # A decode instance reports the first token before it has placed the pulled blocks.
+        self._gate_tokens = 2 if opts.get("first_token") is not None else 1
+        first = generate(engine, tokenizer, metrics, req, request_id, outcome, slot, **opts)
+        self._tasks = [asyncio.create_task(self._pump(0, first))]
+        self._tasks.append(asyncio.create_task(self._siblings(engine, tokenizer, metrics, req,
+                                                              request_id)))
+
+    async def _siblings(self, engine: CoreClient, tokenizer: BaseTokenizer,
+                        metrics: ServerMetrics, req: GenerationRequest, request_id: str) -> None:
+        await self._gate.wait()
+        for i in range(1, req.best_of):
+            params = msgspec.structs.replace(req.params, seed=_sibling_seed(req.params.seed, i))
+            sib = dataclasses.replace(req, params=params)
+            gen = generate(engine, tokenizer, metrics, sib, f"{request_id}-{i}", Outcome())
+            self._tasks.append(asyncio.create_task(self._pump(i, gen)))
+
+    async def _pump(self, index: int, gen: AsyncGenerator[Delta, None]) -> None:
+        tokens = 0
+        try:
+            async with aclosing(gen):
+                async for d in gen:
+                    tokens += len(d.token_ids)
+                    if index == 0 and (tokens >= self._gate_tokens or d.finish_reason):
+                        self._gate.set()
+                    self._queue.put_nowait(dataclasses.replace(d, index=index))
+            self._queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # an APIError of one choice fails the request
+            self._queue.put_nowait(exc)
+        finally:
+            self._gate.set()
+
+    async def next(self) -> Delta | None:
+        """The next delta of any choice; None once every choice has finished."""
+        while self._left:
+            item = await self._queue.get()
+            if item is None:
+                self._left -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        return None
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

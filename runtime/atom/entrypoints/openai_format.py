@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from atom.engine.params import TopLogprobs
 from atom.entrypoints.generation import Delta
 from atom.entrypoints.protocol import GenerationRequest
 from atom.tokenizer import BaseTokenizer
@@ -64,41 +65,83 @@ class OpenAIFormatter:
         self.tok, self.id, self.req, self.chat = tokenizer, request_id, req, chat
         self.created = int(time.time())
         self._object = "chat.completion.chunk" if chat else "text_completion"
+        # Streaming: each choice's tokens so far (usage sums them) and whose role was sent.
+        self._completion: dict[int, int] = {}
+        self._announced = {0}
 
-    def _usage(self, d: Delta) -> dict[str, Any]:
+    def _usage(self, d: Delta, completion_tokens: int | None = None) -> dict[str, Any]:
+        """d: the first choice's last delta (prompt and cached tokens); completion_tokens: all
+        choices' (default: d's)."""
+        completion = d.completion_tokens if completion_tokens is None else completion_tokens
         return {
             "prompt_tokens": d.prompt_tokens,
-            "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": d.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
         }
 
     def _logprobs(
-        self, ids: list[int], lps: list[float] | None, offset: int = 0
+        self, ids: list[int], lps: list[float] | None, top: list[TopLogprobs] | None = None,
+        offset: int = 0,
     ) -> dict[str, Any] | None:
-        if not self.req.params.logprobs:
+        """OpenAI's shapes: chat's content list (top_logprobs: the k alternatives), the legacy
+        completions' parallel lists (top_logprobs: per token, the k alternatives and the
+        chosen token, by text)."""
+        k = self.req.logprobs
+        if k is None:
             return None
         lps = lps if lps is not None else [0.0] * len(ids)
+        alts = top if top is not None and k else [[] for _ in ids]
         tokens = token_pieces(self.tok, ids)
         if self.chat:
             return {
                 "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, lps, strict=False)
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()),
+                     "top_logprobs": self._alternatives(alt[:k])}
+                    for t, lp, alt in zip(tokens, lps, alts, strict=False)
                 ]
             }
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
+        tops = []
+        for t, lp, alt in zip(tokens, lps, alts, strict=False):
+            entry: dict[str, float] = {}
+            pieces = token_pieces(self.tok, [i for i, _ in alt[:k]])
+            for piece, (_, v) in zip([*pieces, t], [*alt[:k], (0, lp)], strict=True):
+                entry.setdefault(piece, v)  # tokens that decode alike: the likeliest's
+            tops.append(entry)
         return {
             "tokens": tokens,
             "token_logprobs": lps,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=False)],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
+    def _alternatives(self, alt: TopLogprobs) -> list[dict[str, Any]]:
+        pieces = token_pieces(self.tok, [i for i, _ in alt])
+        return [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                for t, (_, v) in zip(pieces, alt, strict=True)]
+
     def full(self, deltas: list[Delta]) -> dict[str, Any]:
+        """The whole answer: one choice per index among the deltas, in index order."""
+        by_index: dict[int, list[Delta]] = {}
+        for d in deltas:
+            by_index.setdefault(d.index, []).append(d)
+        choices = [self._choice(i, by_index[i]) for i in sorted(by_index)]
+        first = by_index[min(by_index)][-1]
+        completion = sum(ds[-1].completion_tokens for ds in by_index.values())
+        base = {
+            "id": self.id,
+            "created": self.created,
+            "model": self.req.model,
+            "usage": self._usage(first, completion),
+        }
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**base, "object": kind, "choices": choices}
+
+    def _choice(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         last = deltas[-1]
         ids = [i for d in deltas for i in d.token_ids]
@@ -107,46 +150,49 @@ class OpenAIFormatter:
             if any(d.logprobs for d in deltas)
             else None
         )
-        base = {
-            "id": self.id,
-            "created": self.created,
-            "model": self.req.model,
-            "usage": self._usage(last),
-        }
+        top = (
+            [x for d in deltas for x in (d.top_logprobs or [])]
+            if any(d.top_logprobs for d in deltas)
+            else None
+        )
+        logprobs = self._logprobs(ids, lps, top)
         if self.chat:
-            choice = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(ids, lps),
+                "logprobs": logprobs,
                 "finish_reason": last.finish_reason,
             }
-            return {**base, "object": "chat.completion", "choices": [choice]}
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "text": text,
-            "logprobs": self._logprobs(ids, lps),
+            "logprobs": logprobs,
             "finish_reason": last.finish_reason,
         }
-        return {**base, "object": "text_completion", "choices": [choice]}
 
     def chunk(self, d: Delta, role: bool = False) -> dict[str, Any]:
+        self._completion[d.index] = d.completion_tokens
+        logprobs = None if role else self._logprobs(d.token_ids, d.logprobs, d.top_logprobs)
         if self.chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": ""}
                 if role
                 else ({"content": d.text} if d.text else {})
             )
+            if d.index not in self._announced:  # a later choice's first chunk names the role
+                self._announced.add(d.index)
+                delta = {"role": "assistant", **delta}
             choice = {
-                "index": 0,
+                "index": d.index,
                 "delta": delta,
-                "logprobs": None if role else self._logprobs(d.token_ids, d.logprobs),
+                "logprobs": logprobs,
                 "finish_reason": d.finish_reason,
             }
         else:
             choice = {
-                "index": 0,
+                "index": d.index,
                 "text": d.text,
-                "logprobs": self._logprobs(d.token_ids, d.logprobs),
+                "logprobs": logprobs,
                 "finish_reason": d.finish_reason,
             }
         return {
@@ -164,5 +210,5 @@ class OpenAIFormatter:
             "created": self.created,
             "model": self.req.model,
             "choices": [],
-            "usage": self._usage(last),
+            "usage": self._usage(last, sum(self._completion.values()) or None),
         }

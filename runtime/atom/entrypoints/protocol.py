@@ -3,11 +3,12 @@
 Validation is pydantic with strict scalar types (a string where a number belongs is refused, not
 coerced); every failure becomes an APIError naming the offending field as `param`. The sampling
 fields become one SamplingParams, checked by its own validate() (atom.engine.params): the rules
-the engine core applies too. Fields of the
-OpenAI API that the engine cannot honour (n > 1, echo, penalties, top alternatives, tools,
-response_format, logit_bias, best_of) are refused with a 400 naming the field rather than
-silently ignored; unknown extra fields are ignored, as OpenAI does. Every number is bounded to
-what the engine can represent (SamplingParams.validate), and sizes (prompt tokens, messages, stop lists) are checked on the
+the engine core applies too. `n` and `best_of` become that many engine requests
+(atom.entrypoints.generation.generate_choices). Fields of the OpenAI API that the engine cannot
+honour (echo, suffix, and UNSUPPORTED_FIELDS) are refused with a 400 naming the field rather
+than silently ignored; unknown extra fields are ignored, as OpenAI does. Every number is bounded
+to what the engine can represent (SamplingParams.validate), and sizes (prompt tokens, messages,
+stop lists, logit_bias) are checked on the
 raw body before anything costs time.
 """
 
@@ -28,7 +29,12 @@ from pydantic import (
     ValidationError,
 )
 
-from atom.engine.params import SamplingError, SamplingParams
+from atom.engine.params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_TOP_LOGPROBS,
+    SamplingError,
+    SamplingParams,
+)
 from atom.engine.token_check import all_in_vocab
 from atom.wire.api_error import APIError, bad_request
 
@@ -36,6 +42,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256  # scanned for every generated token
 MAX_MESSAGES = 2048
+MAX_CHOICES = 32  # n and best_of: each choice is an engine sequence
 # No tokenizer we load has a token longer than this many characters, so a text longer than
 # max_model_len * this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 256
@@ -52,8 +59,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "logit_bias": ({},),
-    "best_of": (1,),
     "audio": (),
     "prediction": (),
 }
@@ -79,8 +84,11 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    best_of: StrictInt | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # extension (vLLM)
+    logit_bias: dict[StrictStr, StrictFloat] | None = None  # token id (as a string) -> bias
     user: StrictStr | None = None
 
 
@@ -139,6 +147,11 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated (>= n): the n of highest cumulative logprob return
+    # Alternatives shown per token (0: the chosen token's logprob only); None: no logprobs in
+    # the answer (the engine may still compute them, for best_of)
+    logprobs: int | None = None
 
 
 def precheck(body: dict[str, Any], max_model_len: int, chat: bool) -> None:
@@ -150,6 +163,12 @@ def precheck(body: dict[str, Any], max_model_len: int, chat: bool) -> None:
     if body.get("stream_options") is not None and body.get("stream") is not True:
         raise bad_request(
             "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(
+            f"logit_bias holds at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+            param="logit_bias",
         )
     stop_ids = body.get("stop_token_ids")
     if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
@@ -238,17 +257,47 @@ def check_model_name(requested: str, served: str) -> None:
         )
 
 
-def _unsupported(body: _Common) -> None:
-    if body.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", param=name)
+def _choices(body: _Common) -> tuple[int, int]:
+    """(n, best_of), checked: 1 <= n <= best_of <= MAX_CHOICES; best_of > n is not streamed
+    (the best are known only at the end)."""
+    n = body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_request(
+            f"best_of must be between n ({n}) and {MAX_CHOICES}, got {best_of}", param="best_of"
+        )
+    if best_of > n and body.stream:
+        raise bad_request("best_of > n cannot be streamed", param="best_of")
+    return n, best_of
 
 
-def _sampling(body: _Common, logprobs: bool, vocab_size: int = 0) -> SamplingParams:
-    """The body's sampling fields, validated (max_tokens: resolve_max_tokens, after this)."""
+def _logit_bias(body: _Common) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias"
+            ) from None
+    return out
+
+
+def _top_logprobs(value: int | None, param: str) -> int:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", param=param
+        )
+    return value or 0
+
+
+def _sampling(
+    body: _Common, logprobs: int | None, best_of: int, vocab_size: int = 0
+) -> SamplingParams:
+    """The body's sampling fields, validated (max_tokens: resolve_max_tokens, after this).
+    logprobs: alternatives per token (None: none asked); best_of > n ranks by logprobs."""
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_k=-1 if body.top_k is None else body.top_k,
@@ -256,7 +305,12 @@ def _sampling(body: _Common, logprobs: bool, vocab_size: int = 0) -> SamplingPar
         seed=body.seed,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
+        logprobs=logprobs is not None or best_of > body.n,
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body),
+        top_logprobs=logprobs or 0,
     )
     try:
         params.validate(vocab_size)
@@ -311,15 +365,11 @@ def completion_request(
     fast = all_in_vocab(ids, vocab_size)
     req: CompletionBody = validate(CompletionBody, {**body, "prompt": []} if fast else body)
     check_model_name(req.model, served)
-    _unsupported(req)
     if req.echo:
         raise bad_request("echo is not supported", param="echo")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 1:
-        raise bad_request(
-            "logprobs must be 0 or 1: only the chosen token's logprob is returned", param="logprobs"
-        )
+    _top_logprobs(req.logprobs, "logprobs")
     prompt = ids if fast else req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -342,7 +392,7 @@ def completion_request(
         default_max=16,
         max_model_len=max_model_len,
         prompt_param="prompt",
-        logprobs=req.logprobs is not None,
+        logprobs=req.logprobs,
         vocab_size=vocab_size,
     )
 
@@ -353,14 +403,11 @@ def chat_request(
     precheck(body, max_model_len, chat=True)
     req: ChatBody = validate(ChatBody, body)
     check_model_name(req.model, served)
-    _unsupported(req)
     if not req.messages:
         raise bad_request("messages must hold at least one message", param="messages")
-    if req.top_logprobs:
-        raise bad_request(
-            "top_logprobs is not supported: only the chosen token's logprob is returned",
-            param="top_logprobs",
-        )
+    top = _top_logprobs(req.top_logprobs, "top_logprobs")
+    if top and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.model_dump() for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -376,7 +423,7 @@ def chat_request(
         default_max=None,
         max_model_len=max_model_len,
         prompt_param="messages",
-        logprobs=req.logprobs,
+        logprobs=top if req.logprobs else None,
         vocab_size=vocab_size,
     )
 
@@ -387,10 +434,11 @@ def _build(
     default_max: int | None,
     max_model_len: int,
     prompt_param: str,
-    logprobs: bool,
+    logprobs: int | None,
     vocab_size: int = 0,
 ) -> GenerationRequest:
-    params = _sampling(req, logprobs, vocab_size)
+    n, best_of = _choices(req)
+    params = _sampling(req, logprobs, best_of, vocab_size)
     stop = _stop_strings(req)
     params.max_tokens = resolve_max_tokens(
         req.max_tokens, default_max, len(prompt_ids), max_model_len, "max_tokens", prompt_param
@@ -402,4 +450,7 @@ def _build(
         stop=stop,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        n=n,
+        best_of=best_of,
+        logprobs=logprobs,
     )

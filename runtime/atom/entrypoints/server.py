@@ -23,7 +23,7 @@ from aiohttp import web
 from atom.entrypoints import metrics_merge as merge_metrics
 from atom.entrypoints.admission import Slot
 from atom.entrypoints.disagg_routes import decode_options, release_quietly, serve_prefill
-from atom.entrypoints.generation import Delta, Outcome, generate, new_request_id
+from atom.entrypoints.generation import Delta, Outcome, generate_choices, new_request_id
 from atom.entrypoints.info import prefix_cache_info
 from atom.entrypoints.kv_release import RELEASE_PATH, release_handler
 from atom.entrypoints.lora_routes import adapter_cards, add_lora_routes, served_model
@@ -382,7 +382,7 @@ async def _serve(
 ) -> web.StreamResponse:
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     assert state.tokenizer is not None
-    gen = generate(
+    gen = generate_choices(
         state.engine, state.tokenizer, state.metrics, req, request_id, outcome, slot, **opts
     )
     fmt = OpenAIFormatter(state.tokenizer, request_id, req, chat)
@@ -404,7 +404,7 @@ async def _serve(
                 await resp.write(sse(fmt.chunk(Delta(text=""), role=True)))
             delta: Delta | None = first
             last = first
-            logprobs = req.params.logprobs
+            logprobs = req.logprobs is not None
             while delta is not None:
                 last = delta
                 if delta.text or delta.finish_reason or (logprobs and delta.token_ids):

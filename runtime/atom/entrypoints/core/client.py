@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from atom.disagg.handle import KVHandle
 from atom.engine.api import EngineAPI
-from atom.engine.params import SamplingParams
+from atom.engine.params import SamplingParams, TopLogprobs
 from atom.entrypoints.core import messages as msgs
 from atom.entrypoints.core.channel import AsyncOutbox, serve_inbox
 from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
@@ -60,6 +60,7 @@ class Chunk:
         "num_output_tokens",
         "num_prompt_tokens",
         "tokens",
+        "top_logprobs",
     )
 
     def __init__(
@@ -71,10 +72,12 @@ class Chunk:
         num_output: int,
         num_cached: int = 0,
         kv_secret: str | None = None,
+        top_logprobs: list[TopLogprobs] | None = None,
     ) -> None:
         self.tokens, self.logprobs, self.finish_reason = tokens, logprobs, finish
         self.num_prompt_tokens, self.num_output_tokens = num_prompt, num_output
         self.num_cached_tokens, self.kv_secret = num_cached, kv_secret
+        self.top_logprobs = top_logprobs
 
 
 class RequestStream:
@@ -83,6 +86,7 @@ class RequestStream:
     __slots__ = (
         "_logprobs",
         "_tokens",
+        "_top",
         "_waiter",
         "arrival",
         "error",
@@ -101,6 +105,7 @@ class RequestStream:
         self.first_output_at: float | None = None
         self._tokens: list[int] = []
         self._logprobs: list[float] | None = None
+        self._top: list[TopLogprobs] | None = None
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
@@ -126,6 +131,10 @@ class RequestStream:
             if self._logprobs is None:
                 self._logprobs = []
             self._logprobs += out.logprobs
+        if out.top_logprobs is not None:
+            if self._top is None:
+                self._top = []
+            self._top += out.top_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
@@ -153,6 +162,7 @@ class RequestStream:
             raise self.error
         tokens, self._tokens = self._tokens, []
         lps, self._logprobs = self._logprobs, None
+        top, self._top = self._top, None
         finish = self.finish_reason if self.error is None else None
         return Chunk(
             tokens,
@@ -162,6 +172,7 @@ class RequestStream:
             self.num_output_tokens,
             self.num_cached_tokens,
             self.kv_secret,
+            top,
         )
 
 

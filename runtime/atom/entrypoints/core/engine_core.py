@@ -508,3 +508,4 @@ def _jsonable(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return str(obj)
+        top_logprobs=o.new_top_logprobs,

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from atom.disagg.handle import KVHandle
-from atom.engine.params import SamplingParams
+from atom.engine.params import SamplingParams, TopLogprobs
 
 
 # ---- API -> core ------------------------------------------------------------------------------
@@ -128,6 +128,7 @@ class ReqOut(msgspec.Struct, array_like=True, gc=False):
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_secret: str | None = None  # a finished hold_kv request: its handle's per-transfer secret
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when the request asked
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
