@@ -138,6 +138,8 @@ def render_args(
             "--speculative-config",
             json.dumps(spec_json, sort_keys=True, separators=(",", ":")),
         ]
+    if spec.lora is not None and role == naming.UNIFIED:
+        args += spec.lora.runtime_args()
     args += ["--role", role]
     if role in (naming.PREFILL, naming.DECODE):
         # $(POD_IP) is expanded by the kubelet from the env of the same name (downward API).

@@ -19,6 +19,7 @@ from atom_operator.crd_rules import (
     TENSOR_SIZES,
     spec_rules,
 )
+from atom_operator.lora_spec import LoRASpec
 
 # The model's part lives in model_spec; its names stay importable from here (models.py).
 from atom_operator.model_spec import Dtype as Dtype
@@ -552,6 +553,11 @@ class AtomDeploymentSpec(CamelModel):
         "Flux to ignore it: docs/autoscaling.md). Disaggregated roles scale with "
         "disaggregation.<role>.autoscaling. Needs KEDA's CRDs; the AutoscalingReady condition "
         "says when they are missing.",
+    )
+    lora: LoRASpec | None = Field(
+        default=None,
+        description="LoRA adapters served beside the base model (unified role only), each "
+        "from an image or a claim mounted read-only at /lora/<name>; clients pick one by name.",
     )
     inference_pool: bool = Field(
         default=False,

@@ -123,12 +123,11 @@ def test_mixed_batch_matches_peft_merged_models_eagerly(setup: Setup, eager: LLM
         engine.add_request("x", PROMPTS[0], GREEDY, lora_name="nope")
 
 
+@pytest.mark.slow  # ~25 s: Dynamo traces the tiny model's forward on 2 shared cores
 def test_compiled_forward_reads_the_same_buffers_and_loads_without_recompiling(
         setup: Setup) -> None:
     """Level 1 (the whole model under Dynamo): adapter b is loaded after compilation, into the
     buffers the traced code reads; tokens still match and Dynamo traced nothing more."""
-    from atom.utils.counters import counters
-
     engine = _engine(setup, {"a": setup.adapters["a"]}, level=1)
     assert engine.lora is not None
     engine.lora.load("b", setup.adapters["b"])
@@ -138,7 +137,6 @@ def test_compiled_forward_reads_the_same_buffers_and_loads_without_recompiling(
     engine.lora.unload("a")
     with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
         engine.add_request("x", PROMPTS[0], GREEDY, lora_name="a")
-    assert counters.snapshot() is not None
 
 
 def test_prefix_cache_keeps_adapters_apart(setup: Setup) -> None:
@@ -172,7 +170,6 @@ def test_http_adapters_as_models_load_unload_and_metrics(setup: Setup) -> None:
     from atom.entrypoints.core.client import ThreadCore
     from atom.entrypoints.state import ServerState
     from atom.tokenizer import ByteTokenizer
-
     from atom_devtools.localprocs import free_port
 
     key = {"Authorization": "Bearer k"}

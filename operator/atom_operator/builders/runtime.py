@@ -8,6 +8,7 @@ from typing import Any
 
 from atom_operator import naming, runtime_args
 from atom_operator.builders.common import Owner, metadata
+from atom_operator.builders.lora import lora_mounts, lora_volumes
 from atom_operator.builders.model import model_mount, model_volume
 from atom_operator.builders.secret import token_env
 from atom_operator.crd_rules import CO_LOCATED_TRANSPORTS, GPU_RESOURCE
@@ -184,6 +185,8 @@ def runtime_container(
     model = model_mount(spec.model)
     if model is not None:
         mounts.append(model)
+    if role == naming.UNIFIED:
+        mounts += lora_mounts(spec.lora)
     env = [{"name": "HOME", "value": "/tmp"}, *api_key_env(spec)]  # arbitrary non-root uid
     if role in (naming.PREFILL, naming.DECODE):
         # The KV port binds to the pod IP (--kv-host $(POD_IP)), never 0.0.0.0; only the
@@ -239,7 +242,7 @@ def pod_volumes(owner: Owner, spec: AtomDeploymentSpec) -> list[dict[str, Any]]:
     model = model_volume(spec.model)
     if model is not None:
         volumes.append(model)
-    return volumes
+    return volumes + lora_volumes(spec.lora)
 
 
 def pod_spec(
