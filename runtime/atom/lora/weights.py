@@ -74,7 +74,8 @@ class LoRALayer(nn.Module):
         """Each row's adapter update of group's output for input x [T, in] (zero for rows of
         slot 0)."""
         a, b = self.buffers_of(group)
-        return lora_delta(x, a[1:], b[1:], self.rows.slots, self.rows.ids)
+        rows = self.rows
+        return lora_delta(x, a[1:], b[1:], rows.get_buffer("slots"), rows.get_buffer("ids"))
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
