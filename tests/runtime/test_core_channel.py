@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,9 +24,20 @@ from atom.entrypoints.core.channel import (
 )
 from testutil import async_wait_for
 
+_DIRS: list[str] = []
+
 
 def _addr(name: str) -> str:
-    return "ipc://" + os.path.join(tempfile.mkdtemp(prefix="atom-chan-test-"), name)
+    _DIRS.append(tempfile.mkdtemp(prefix="atom-chan-test-"))
+    return "ipc://" + os.path.join(_DIRS[-1], name)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_socket_dirs() -> Iterator[None]:
+    """The sockets' directories go with the module: a run leaves nothing in /tmp."""
+    yield
+    for d in _DIRS:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _read_until(inbox: Inbox, n: int, timeout: float = 5.0) -> list[bytes]:
