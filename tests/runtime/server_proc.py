@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +29,10 @@ TINY_SERVER_ARGS = [
     "--dtype",
     "float32",
 ]
+# The children's output, kept for failure messages while this test process lives, then removed
+# (a run leaves nothing in /tmp).
+LOG_DIR = Path(tempfile.mkdtemp(prefix="atom-test-logs-"))
+atexit.register(shutil.rmtree, LOG_DIR, True)
 
 
 class Proc:
@@ -36,7 +43,7 @@ class Proc:
     ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{log_name}-{port}.log"
+        self.log_path = LOG_DIR / f"{log_name}-{port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
