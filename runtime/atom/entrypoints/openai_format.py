@@ -17,6 +17,7 @@ import orjson
 from atom.engine.params import TopLogprobs
 from atom.entrypoints.generation import Delta
 from atom.entrypoints.protocol import GenerationRequest
+from atom.entrypoints.tool_parsers import ToolStreams, tool_message
 from atom.tokenizer import BaseTokenizer
 
 DONE = b"data: [DONE]\n\n"
@@ -68,6 +69,8 @@ class OpenAIFormatter:
         # Streaming: each choice's tokens so far (usage sums them) and whose role was sent.
         self._completion: dict[int, int] = {}
         self._announced = {0}
+        # Chat with tools: the text becomes tool_calls (atom.entrypoints.tool_parsers).
+        self._tools = ToolStreams(req.tools) if chat and req.tools is not None else None
 
     def _usage(self, d: Delta, completion_tokens: int | None = None) -> dict[str, Any]:
         """d: the first choice's last delta (prompt and cached tokens); completion_tokens: all
@@ -157,11 +160,12 @@ class OpenAIFormatter:
         )
         logprobs = self._logprobs(ids, lps, top)
         if self.chat:
+            message, finish = tool_message(text, last.finish_reason, self.req.tools)
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": last.finish_reason,
+                "finish_reason": finish,
             }
         return {
             "index": index,
@@ -179,6 +183,9 @@ class OpenAIFormatter:
                 if role
                 else ({"content": d.text} if d.text else {})
             )
+            finish = d.finish_reason
+            if self._tools is not None and not role:
+                delta, finish = self._tools.delta(d.index, d.text, finish)
             if d.index not in self._announced:  # a later choice's first chunk names the role
                 self._announced.add(d.index)
                 delta = {"role": "assistant", **delta}
@@ -186,7 +193,7 @@ class OpenAIFormatter:
                 "index": d.index,
                 "delta": delta,
                 "logprobs": logprobs,
-                "finish_reason": d.finish_reason,
+                "finish_reason": finish,
             }
         else:
             choice = {

@@ -36,6 +36,8 @@ from atom.engine.params import (
     SamplingParams,
 )
 from atom.engine.token_check import all_in_vocab
+from atom.entrypoints.structured_request import constrain
+from atom.entrypoints.tool_request import ToolRequest, render_chat, tool_request
 from atom.wire.api_error import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -54,9 +56,6 @@ def _is_default(value: Any, *defaults: Any) -> bool:
 
 # OpenAI fields the engine does not implement: refused unless absent or at their no-op value.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -152,6 +151,7 @@ class GenerationRequest:
     # Alternatives shown per token (0: the chosen token's logprob only); None: no logprobs in
     # the answer (the engine may still compute them, for best_of)
     logprobs: int | None = None
+    tools: ToolRequest | None = None  # chat with tools: the output is parsed into tool_calls
 
 
 def precheck(body: dict[str, Any], max_model_len: int, chat: bool) -> None:
@@ -386,7 +386,7 @@ def completion_request(
             raise bad_request(
                 f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param="prompt"
             )
-    return _build(
+    gen = _build(
         req,
         prompt_ids,
         default_max=16,
@@ -395,6 +395,8 @@ def completion_request(
         logprobs=req.logprobs,
         vocab_size=vocab_size,
     )
+    constrain(gen.params, body)  # structured output (atom.entrypoints.structured_request)
+    return gen
 
 
 def chat_request(
@@ -409,15 +411,16 @@ def chat_request(
     if top and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = [m.model_dump() for m in req.messages]
+    tools = tool_request(body, tokenizer)  # tools and tool_choice (atom.entrypoints.tool_request)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, tools)
     except Exception as exc:  # a template's raise_exception or a rendering error is the client's
         raise bad_request(f"chat template failed: {exc}", param="messages") from None
     # The template carries BOS itself when the model wants one; only the plain fallback needs it added.
     prompt_ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
     if req.max_tokens is None and req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
-    return _build(
+    gen = _build(
         req,
         prompt_ids,
         default_max=None,
@@ -426,6 +429,9 @@ def chat_request(
         logprobs=top if req.logprobs else None,
         vocab_size=vocab_size,
     )
+    constrain(gen.params, body, tools)
+    gen.tools = tools
+    return gen
 
 
 def _build(

@@ -36,6 +36,7 @@ CALL_TAGS = {
     ToolFormat.HERMES: ('<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
     ToolFormat.LLAMA3: ('{{"name": "{name}", "parameters": ', "}"),
 }
+MAX_WHITESPACE = 1  # between a call's JSON tokens: a small model otherwise indents forever
 CALL_SEPARATOR = {ToolFormat.HERMES: "\n", ToolFormat.LLAMA3: "; "}
 
 
@@ -59,7 +60,8 @@ class ToolRequest:
         begin, end = CALL_TAGS[self.format]
         tags = [
             st.TagFormat(begin=begin.format(name=t["function"]["name"]),
-                         content=st.JSONSchemaFormat(json_schema=t["function"]["parameters"]),
+                         content=st.JSONSchemaFormat(json_schema=t["function"]["parameters"],
+                                                     max_whitespace_cnt=MAX_WHITESPACE),
                          end=end)
             for t in self.tools
             if not self.forced or t["function"]["name"] == self.choice

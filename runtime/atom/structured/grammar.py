@@ -50,7 +50,7 @@ def _build(spec: StructuredSpec) -> xgr.Grammar:
     if kind is StructuredKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(spec.value)
     if kind is StructuredKind.STRUCTURAL_TAG:
-        return xgr.Grammar.from_structural_tag(spec.value)
+        return _strict_strings(xgr.Grammar.from_structural_tag(spec.value))
     raise GrammarError(f"unknown structured output kind {kind!r}")
 
 
