@@ -1,6 +1,7 @@
-"""Prometheus metrics: request outcomes and latencies observed by the API server, the engine
-core's gauges and compile/graph counters (forwarded in its Stats messages) read at scrape time.
-The core's own series (KV transfers) are scraped from it over the IPC and appended. One
+"""Prometheus metrics: request outcomes and latencies observed by the API server; the engine's
+gauges and compile/graph counters, which the engine core renders itself at scrape time (read
+over the IPC with its own series, the KV transfers, and appended); and the vLLM-compatible
+`vllm:*` view of both (atom.entrypoints.metrics_vllm). docs/metrics.md lists every series. One
 registry per server, so tests can build several apps in one process."""
 
 from __future__ import annotations
@@ -13,6 +14,20 @@ from prometheus_client import CollectorRegistry, Counter, ProcessCollector, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from atom.entrypoints.metrics_vllm import (
+    E2E,
+    ENGINE_INDEX,
+    ITL,
+    LABELS,
+    NO_LORA,
+    TTFT,
+    HistogramSpec,
+    LoraState,
+    RequestSeries,
+    VllmEngineInfo,
+    engine_families,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -118,33 +133,66 @@ SPEC_GAUGES = {
 }
 
 
+class _Buckets:
+    """Counts per bucket (the last: above every bound, +Inf), cumulated when rendered."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.upper = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.upper) + 1)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        cum = 0
+        out: list[tuple[str, float]] = []
+        for bound, count in zip([*self.upper, float("inf")], self.counts, strict=True):
+            cum += count
+            out.append((floatToGoString(bound), cum))
+        return out
+
+
 class FastHistogram(Collector):
     """A histogram whose observe() is a bisect and two additions: called once per request
-    per step on the serving path, where prometheus_client's lock and bucket walk add up."""
+    per step on the serving path, where prometheus_client's lock and bucket walk add up.
+    With `vllm`, the same observations also render as vLLM's series (its name, buckets and
+    model_name/engine labels): one more bisect."""
 
     def __init__(self, name: str, doc: str, buckets: Sequence[float],
-                 registry: CollectorRegistry) -> None:  # fmt: skip
+                 registry: CollectorRegistry, vllm: HistogramSpec | None = None,
+                 model_name: str = "") -> None:  # fmt: skip
         self.name, self.doc = name, doc
-        self._upper = [float(b) for b in buckets]
-        self._counts = [0] * (len(self._upper) + 1)  # the last: above every bound (+Inf)
+        self._own = _Buckets(buckets)
+        self._vllm = vllm
+        self._mirror = _Buckets(vllm.buckets) if vllm is not None else None
+        self._labels = [model_name, ENGINE_INDEX]
         self._sum = 0.0
         registry.register(self)
 
     def observe(self, value: float) -> None:
-        self._counts[bisect_left(self._upper, value)] += 1
+        own = self._own
+        own.counts[bisect_left(own.upper, value)] += 1
+        if self._mirror is not None:
+            self._mirror.counts[bisect_left(self._mirror.upper, value)] += 1
         self._sum += value
 
     def observe_n(self, value: float, n: int) -> None:
         """n observations of the same value (tokens that came in one chunk)."""
-        self._counts[bisect_left(self._upper, value)] += n
+        own = self._own
+        own.counts[bisect_left(own.upper, value)] += n
+        if self._mirror is not None:
+            self._mirror.counts[bisect_left(self._mirror.upper, value)] += n
         self._sum += value * n
 
+    @property
+    def count(self) -> int:
+        return sum(self._own.counts)
+
     def collect(self) -> Iterator[Any]:
-        cum, buckets = 0, []
-        for bound, count in zip([*self._upper, float("inf")], self._counts, strict=True):
-            cum += count
-            buckets.append((floatToGoString(bound), cum))
-        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self._sum)
+        yield HistogramMetricFamily(
+            self.name, self.doc, buckets=self._own.cumulative(), sum_value=self._sum
+        )
+        if self._vllm is not None and self._mirror is not None:
+            fam = HistogramMetricFamily(self._vllm.name, self._vllm.doc, labels=LABELS)
+            fam.add_metric(self._labels, self._mirror.cumulative(), sum_value=self._sum)
+            yield fam
 
 
 class ServerMetrics:
@@ -153,6 +201,7 @@ class ServerMetrics:
         stats: Callable[[], dict[str, Any]],
         counters: Callable[[], dict[str, int]],
         warmup: Callable[[], dict[str, Any]],
+        model_name: str = "",
     ) -> None:
         self.registry = CollectorRegistry()
         # received = sum(atom_requests_total) + sum(atom_requests_failed_total), once the
@@ -197,43 +246,65 @@ class ServerMetrics:
             "Arrival to first token",
             LATENCY_BUCKETS,
             self.registry,
+            vllm=TTFT,
+            model_name=model_name,
         )
         self.itl = FastHistogram(
             "atom_inter_token_latency_seconds",
             "Time between a request's successive tokens",
             LATENCY_BUCKETS,
             self.registry,
+            vllm=ITL,
+            model_name=model_name,
         )
         self.e2e = FastHistogram(
             "atom_e2e_request_latency_seconds",
             "Arrival to last token",
             LATENCY_BUCKETS,
             self.registry,
+            vllm=E2E,
+            model_name=model_name,
         )
+        # vllm:prompt_tokens, vllm:generation_tokens (every token as it reaches its stream: the
+        # first in ttft, the rest in itl) and vllm:request_success, at collect time.
+        self.registry.register(RequestSeries(
+            model_name, self.prompt_tokens, self.requests, lambda: self.ttft.count + self.itl.count
+        ))  # fmt: skip
         # This process' memory and CPU (the engine core exports atom_core_process_*).
         ProcessCollector(namespace="atom_api", registry=self.registry)
-        # The engine's series, from its Stats; with several API servers the core renders them
-        # itself (metrics_merge), so they stay out of `registry`, this process' own series.
+        # The engine's series from its last Stats: only when the core does not answer a scrape
+        # (the core renders them itself, read at that moment), so out of `registry`, this
+        # process' own series (metrics_merge).
         self.engine_registry = CollectorRegistry()
         self.engine_registry.register(EngineCollector(stats, counters, warmup))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry) + generate_latest(self.engine_registry)
+    def render(self, core: bytes | None = None) -> bytes:
+        """This process' series and the core's answer to a scrape (its series and the
+        engine's); without one, the engine's series from its last Stats."""
+        own = generate_latest(self.registry)
+        return own + (core if core is not None else generate_latest(self.engine_registry))
 
 
 class EngineCollector(Collector):
-    """Reads the engine's gauges and the process-wide counters at scrape time."""
+    """Reads the engine's gauges and the process-wide counters at scrape time; with `vllm`
+    (the core, once its engine is built) also their vllm:* view, from the same read."""
 
     def __init__(
         self,
         stats: Callable[[], dict[str, Any]],
         counters: Callable[[], dict[str, int]],
         warmup: Callable[[], dict[str, Any]],
+        vllm: Callable[[], VllmEngineInfo | None] = lambda: None,
+        lora: Callable[[], LoraState] = lambda: NO_LORA,
     ) -> None:
         self._stats, self._counters, self._warmup = stats, counters, warmup
+        self._vllm, self._lora = vllm, lora
 
     def collect(self) -> Iterator[Any]:
         stats = self._stats()
+        info = self._vllm()
+        if info is not None:
+            yield from engine_families(info, stats, self._lora())
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0) or 0))
         for key, doc in ENGINE_COUNTERS.items():

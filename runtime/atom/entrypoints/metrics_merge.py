@@ -9,8 +9,11 @@ process' own memory, fds, start time) keep one series per process, labelled
 `api_server="<index>"`. A process' snapshot is at most PUSH_S old, except the scraping one's,
 which is fresh and is stored before the answer: the next scrape, on any process, sees it.
 
-Series the engine core derives (its gauges and counters, from its own stats) are rendered by
-the core itself in this mode, so they too come from one source.
+Series the engine core derives (its gauges and counters, atom_* and vllm:*, from its own
+stats) are rendered by the core itself, at the scrape, so they come from one source: never
+summed, never doubled. The API servers' vllm:* request series (token and request counters,
+latency histograms; atom.entrypoints.metrics_vllm) are counters and histograms like their
+atom_* twins, so each request counts once, in the process that served it.
 """
 
 from __future__ import annotations

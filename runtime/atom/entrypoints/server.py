@@ -190,7 +190,7 @@ async def metrics(request: web.Request) -> web.Response:
     if state.api_server_count > 1:
         return await _merged_metrics(state)
     core = await state.engine.scrape()
-    body = state.metrics.render() + (core.text if core is not None else b"")
+    body = state.metrics.render(core.text if core is not None else None)
     return web.Response(body=body, headers=_metrics_headers())
 
 

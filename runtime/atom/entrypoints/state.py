@@ -117,6 +117,7 @@ class ServerState:
             stats=lambda: self.engine.last_stats,
             counters=lambda: {},  # the counters live in the core; they come in its stats
             warmup=lambda: self.engine.warmup_summary,
+            model_name=self.served_model_name,
         )
         self.engine.on_ready.append(self._engine_ready)
 

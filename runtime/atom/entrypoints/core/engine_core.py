@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # torch: the core's KV side is imported only where it runs
     from prometheus_client import CollectorRegistry
 
     from atom.entrypoints.core.kv import CoreKV
+    from atom.entrypoints.metrics_vllm import LoraState, VllmEngineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class EngineCore:
     # --api-server-count > 1: each API server's latest series (atom.entrypoints.metrics_merge)
     _api_metrics: dict[int, bytes] = field(default_factory=dict)
     _stats_due: bool = False  # send Stats at the end of this turn
+    _vllm: VllmEngineInfo | None = None  # the vllm:* series' labels, once the engine is built
     # The sockets and codecs, made by _open() in the thread that runs the loop.
     _in: Inbox = field(init=False, repr=False)
     _outs: list[Outbox] = field(init=False, repr=False)
@@ -165,10 +167,13 @@ class EngineCore:
         # ThreadCore shares its process with the API server, whose collector already covers it.
         if self.parent_pid is not None:
             ProcessCollector(namespace="atom_core", registry=self._registry)
-        if len(self.endpoints.outputs) > 1:  # the engine's series from one source: here
-            from atom.entrypoints.metrics import EngineCollector
+        # The engine's series (atom_* and vllm:*), read here at each scrape: what the engine
+        # holds at that moment, from one source however many API servers there are.
+        from atom.entrypoints.metrics import EngineCollector
 
-            self._registry.register(EngineCollector(self._stats, dict, self._warmup_summary))
+        self._registry.register(EngineCollector(
+            self._stats, dict, self._warmup_summary, lambda: self._vllm, self._lora_state
+        ))  # fmt: skip
         try:
             self._set_state("starting", "building the engine (model, KV cache)")
             kv_port = None
@@ -184,6 +189,7 @@ class EngineCore:
             self._set_state("warming", "warming up: compiling and capturing CUDA graphs")
             warmup = dict(engine.warmup())
             self.info = self._engine_info(warmup)
+            self._vllm = self._vllm_info()
             # The model, compiled graphs and caches live for the whole process: keep the
             # cyclic collector from walking them again and again between steps.
             gc.collect()
@@ -213,6 +219,23 @@ class EngineCore:
 
     def _warmup_summary(self) -> dict[str, Any]:
         return self.info.warmup if self.info is not None else {}
+
+    def _vllm_info(self) -> VllmEngineInfo:
+        from atom.entrypoints.metrics_vllm import VllmEngineInfo
+
+        engine = self._engine
+        num_blocks = int(engine.stats().get("kv_blocks_total", 0))
+        return VllmEngineInfo.from_facts(engine.facts(), num_blocks)
+
+    def _lora_state(self) -> LoraState:
+        """vllm:lora_requests_info: the adapters of the running and waiting requests."""
+        from atom.entrypoints.metrics_vllm import NO_LORA, LoraState
+
+        lora = self.engine.lora if self.engine is not None else None
+        if lora is None:
+            return NO_LORA
+        usage = lora.usage()
+        return LoraState(usage.max_loras, usage.running, usage.waiting)
 
     def _rank_failure(self) -> str | None:
         """Why a tensor-parallel rank died, if one did (its watcher may be a moment behind
