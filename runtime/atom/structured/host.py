@@ -93,7 +93,7 @@ class StructuredHost:
         if not constrained:
             return None
         host, turn = self._take(len(seqs) * rows_per)
-        rows = []
+        rows: list[int] = []
         for i in constrained:
             grammar = seqs[i].grammar
             assert grammar is not None

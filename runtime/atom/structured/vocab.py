@@ -16,8 +16,8 @@ from atom.tokenizer import BaseTokenizer, ByteTokenizer, FastTokenizer
 
 def tokenizer_info(tok: BaseTokenizer, vocab_size: int, stop_ids: list[int]) -> xgr.TokenizerInfo:
     if isinstance(tok, ByteTokenizer):
-        specials = {tok.bos_token_id, *tok.eos_token_ids}
-        raw = [b"" if i in specials else bytes([i]) for i in range(min(256, vocab_size))]
+        byte_specials = {tok.bos_token_id, *tok.eos_token_ids}
+        raw = [b"" if i in byte_specials else bytes([i]) for i in range(min(256, vocab_size))]
         raw += [b""] * (vocab_size - len(raw))
         return xgr.TokenizerInfo(raw, xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=stop_ids)
