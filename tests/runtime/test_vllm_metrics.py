@@ -290,7 +290,7 @@ def test_two_api_servers_report_the_engine_once_and_requests_summed(two_servers:
     n = 2 * MAX_NUM_SEQS
     seen: list[tuple[float, float]] = []
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(complete, url, 80) for _ in range(n)]
+        futures = [pool.submit(complete, url, 120) for _ in range(n)]
 
         def full_batch() -> bool:
             waiting, running, _ = engine_view(scrape(url)[0])  # one sample each, whoever answers

@@ -21,6 +21,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 if TYPE_CHECKING:
     from atom.engine.api import EngineFacts
@@ -213,7 +214,7 @@ class RequestSeries(Collector):
         yield success
 
 
-def _samples(counter: Counter) -> Iterator[Any]:
+def _samples(counter: Counter) -> Iterator[Sample]:
     for fam in counter.collect():
         for sample in fam.samples:
             if sample.name.endswith("_total"):
