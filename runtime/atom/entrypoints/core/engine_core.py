@@ -519,6 +519,7 @@ def _req_out(o: RequestOutput) -> ReqOut:
         o.num_prompt_tokens,
         o.num_output_tokens,
         o.num_cached_tokens,
+        top_logprobs=o.new_top_logprobs,
     )
 
 
@@ -531,4 +532,3 @@ def _jsonable(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return str(obj)
-        top_logprobs=o.new_top_logprobs,
