@@ -155,6 +155,46 @@ def test_router_gives_the_unified_tokens_for_many_prompts_at_once(cluster: Clust
     wait_until_free(cluster.runtimes, timeout_s=5)
 
 
+def test_router_passes_the_request_surface_through(cluster: Cluster) -> None:
+    """n, logprobs/top_logprobs, penalties, logit_bias, seed and response_format reach both
+    roles unchanged, and the prefill instance applies them to the first token: every answer
+    equals the unified instance's (issue 45, item 5)."""
+    via_router, direct = client(cluster.router), client(cluster.unified)
+    ignore = {"ignore_eos": True}
+    completions = [
+        # greedy, the bias forcing one token: the first (the prefill's) too
+        {"prompt": "bias me", "max_tokens": 5, "logprobs": 3, "logit_bias": {"100": 100},
+         "temperature": 0.0, "extra_body": ignore},
+        {"prompt": "aaaa aaaa", "max_tokens": 12, "logprobs": 0, "temperature": 0.0,
+         "presence_penalty": 1.0, "frequency_penalty": 1.0,
+         "extra_body": {**ignore, "repetition_penalty": 1.5}},
+        # seeded choices: the first continues the prefill's token, the second runs on decode
+        {"prompt": "two ways", "max_tokens": 6, "n": 2, "seed": 4, "temperature": 1.0,
+         "extra_body": ignore},
+    ]
+    for kw in completions:
+        a = via_router.completions.create(model=MODEL, **kw)
+        b = direct.completions.create(model=MODEL, **kw)
+        assert [c.text for c in a.choices] == [c.text for c in b.choices], kw
+        if kw.get("logprobs") is not None:
+            la, lb = a.choices[0].logprobs, b.choices[0].logprobs
+            assert la.tokens == lb.tokens and la.token_logprobs == pytest.approx(lb.token_logprobs)
+            assert [sorted(t) for t in la.top_logprobs] == [sorted(t) for t in lb.top_logprobs]
+    assert a.usage.completion_tokens == b.usage.completion_tokens == 12  # the n=2 case: 2 x 6
+    forced = via_router.completions.create(model=MODEL, **completions[0]).choices[0]
+    assert len(set(forced.logprobs.tokens)) == 1
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 3, "temperature": 0.0, "extra_body": ignore,
+            "response_format": {"type": "json_object"}}
+    a = via_router.chat.completions.create(model=MODEL, **chat)
+    b = direct.chat.completions.create(model=MODEL, **chat)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    ta = [[x.token for x in e.top_logprobs] for e in a.choices[0].logprobs.content]
+    tb = [[x.token for x in e.top_logprobs] for e in b.choices[0].logprobs.content]
+    assert ta == tb and len(ta) == 6 and all(len(t) == 3 for t in ta)
+    wait_until_free(cluster.runtimes, timeout_s=5)
+
+
 def test_decode_refuses_blocks_of_another_model(cluster: Cluster) -> None:
     mine = httpx.get(cluster.decode.url + "/status").json()["kv"]["identity"]
     decode_layout = KVLayout(mine, MODEL, "float32", 16, 2, 2, 16)  # tiny-llama's cache

@@ -40,6 +40,8 @@ class KVHandle:
     version: int = WIRE_VERSION
     secret: str = ""
     cached_tokens: int = 0
+    # The first token's top_logprobs alternatives, (id, logprob) best first (None: not asked)
+    first_top_logprobs: list[tuple[int, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +77,7 @@ class KVHandle:
         if not 0 < port < 65536:
             raise ValueError(f"kv_transfer.kv_port {port} is not a TCP port")
         logprob = get("first_logprob", (int, float), optional=True)
+        top = _top_pairs(get("first_top_logprobs", list, optional=True))
         return cls(
             handle=get("handle", str),
             kv_host=get("kv_host", str, optional=True),
@@ -89,4 +92,19 @@ class KVHandle:
             version=version,
             secret=get("secret", str, optional=True) or "",
             cached_tokens=int(get("cached_tokens", int, optional=True) or 0),
+            first_top_logprobs=top,
         )
+
+
+def _top_pairs(value: list | None) -> list[tuple[int, float]] | None:
+    """kv_transfer.first_top_logprobs: [[token id, logprob], ...] (at most 20 of them)."""
+    if value is None:
+        return None
+    ok = len(value) <= 20 and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
+        and isinstance(p[1], (int, float)) and not isinstance(p[0], bool) for p in value
+    )
+    if not ok:
+        raise ValueError("kv_transfer.first_top_logprobs must be at most 20 [token id, logprob] "
+                         "pairs")
+    return [(int(i), float(v)) for i, v in value]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from atom.engine.params import RequestOutput, SamplingParams
+from atom.engine.params import RequestOutput, SamplingParams, TopLogprobs
 
 if TYPE_CHECKING:  # type names only: the core imports this module without torch
     import torch
@@ -50,7 +50,8 @@ class EngineAPI(Protocol):
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               first_token: int, params: SamplingParams | None,
                               kv_blocks: torch.Tensor | None, first_logprob: float | None = None,
-                              *, cached_tokens: int = 0) -> None: ...
+                              *, cached_tokens: int = 0,
+                              first_top: TopLogprobs | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 

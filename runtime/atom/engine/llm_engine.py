@@ -234,7 +234,8 @@ class LLMEngine:
                               first_token: int, params: SamplingParams | None,
                               kv_blocks: torch.Tensor | None,
                               first_logprob: float | None = None, *,
-                              cached_tokens: int = 0) -> None:
+                              cached_tokens: int = 0,
+                              first_top: TopLogprobs | None = None) -> None:
         """A sequence whose prompt ran elsewhere: `kv_blocks` holds the prompt's KV (host tensor
         [n, 2, layers, block, heads, dim], atom.disagg.kv_blocks) and `first_token` was sampled
         from it. The first token is reported at once; decoding continues from it. kv_blocks may
@@ -265,7 +266,9 @@ class LLMEngine:
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
         lp: list[float | None] = [first_logprob] if first_logprob is not None else [None]
-        self._pending.append(self._output(seq, [first_token], lp))
+        k = seq.params.top_logprobs if seq.params.logprobs else 0
+        top = [first_top[:k]] if k and first_top is not None else None
+        self._pending.append(self._output(seq, [first_token], lp, top=top))
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams | None) -> Sequence:

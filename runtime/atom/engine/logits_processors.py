@@ -43,7 +43,7 @@ class LogitsProcessors:
             prompt = device_tensor(seq.token_ids[:seq.num_prompt_tokens], torch.long,
                                    self.device)
             mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            mask[prompt[prompt < vocab]] = True
+            mask.index_fill_(0, prompt, True)  # the engine checked the ids against the vocab
             bias = seq.params.logit_bias
             ids = vals = None
             if bias:

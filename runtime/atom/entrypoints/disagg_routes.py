@@ -63,6 +63,7 @@ async def serve_prefill(
     secret = next((d.kv_secret for d in reversed(deltas) if d.kv_secret), None)
     handle = kv.make_handle(request_id, req.prompt_ids, first.token_ids[0], logprob, secret)
     handle.cached_tokens = deltas[-1].cached_tokens
+    handle.first_top_logprobs = first.top_logprobs[0] if first.top_logprobs else None
     body = OpenAIFormatter(state.tokenizer, request_id, req, chat).full(deltas)
     body["kv_transfer"] = handle.to_dict()
     return web.Response(body=dumps(body), content_type="application/json")
@@ -100,6 +101,7 @@ def decode_options(state: ServerState, req: GenerationRequest, kv: Any) -> dict[
     opts: dict[str, Any] = {
         "first_token": handle.first_token_id,
         "first_logprob": handle.first_logprob,
+        "first_top_logprobs": handle.first_top_logprobs,
         "cached_tokens": handle.cached_tokens,
     }
     if ends_at_first_token(req.params, handle.first_token_id, state.eos_token_ids):

@@ -307,6 +307,7 @@ class CoreClient:
         kv_pull: KVHandle | None = None,
         cached_tokens: int = 0,
         lora_name: str | None = None,
+        first_top_logprobs: TopLogprobs | None = None,
     ) -> RequestStream:
         if self.state != "ready":
             raise EngineDead(f"the engine is {self.state}: {self.reason}")
@@ -321,6 +322,7 @@ class CoreClient:
             kv_pull,
             cached_tokens,
             lora_name,
+            first_top_logprobs,
         )
         data = self._enc.encode(msg)  # an unrepresentable value fails here, before any state
         stream = RequestStream(request_id)

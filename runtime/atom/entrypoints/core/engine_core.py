@@ -441,6 +441,7 @@ class EngineCore:
                     blocks,
                     msg.first_logprob,
                     cached_tokens=msg.cached_tokens,
+                    first_top=msg.first_top_logprobs,
                 )
             elif msg.hold_kv:
                 self._add_holding(msg, params)

@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     kv_pull: KVHandle | None = None  # decode role: pull these blocks first (None: not needed)
     cached_tokens: int = 0  # decode role: prompt tokens the prefill found in its prefix cache
     lora_name: str | None = None  # run under this loaded LoRA adapter (None: the base model)
+    first_top_logprobs: TopLogprobs | None = None  # decode role: the first token's alternatives
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
