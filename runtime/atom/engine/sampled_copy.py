@@ -69,7 +69,8 @@ class SampledCopier:
         current stream; tokens_on_host: the token ids are already queued into next_tokens(n)."""
         tokens, logprobs, top = sampled.tokens, sampled.logprobs, sampled.top
         if not self._cuda:
-            return SampledCopy(tokens, logprobs, None, None if top is None else tuple(top))
+            return SampledCopy(tokens, logprobs, None,
+                               None if top is None else (top.ids, top.logprobs))
         from atom.kernels.triton_copy import copy_to_host
 
         n, turn = tokens.shape[0], self._turn

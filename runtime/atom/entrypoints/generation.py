@@ -197,12 +197,12 @@ async def generate_choices(
     choices = _Choices(engine, tokenizer, metrics, req, request_id, outcome, slot, opts)
     try:
         if req.best_of == req.n:
-            while (d := await choices.next()) is not None:
-                yield d
+            while (delta := await choices.next()) is not None:
+                yield delta
             return
         finished: dict[int, list[Delta]] = {}
-        while (d := await choices.next()) is not None:
-            finished.setdefault(d.index, []).append(d)
+        while (delta := await choices.next()) is not None:
+            finished.setdefault(delta.index, []).append(delta)
         ranked = sorted(finished, key=lambda i: -sum(x for d in finished[i]
                                                     for x in d.logprobs or ()))
         for rank, i in enumerate(ranked[:req.n]):
