@@ -93,8 +93,9 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     """The API server and a ThreadCore on the gated tiny engine, in a thread of their own."""
-    config = tiny_config(max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64, max_model_len=256,
-                         served_model_name=MODEL)
+    config = tiny_config(
+        max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64, max_model_len=256, served_model_name=MODEL
+    )
     gate = Gate(config)
     port = free_port()
     loop = asyncio.new_event_loop()
@@ -139,7 +140,9 @@ def scrape(url: str) -> tuple[Series, dict[str, str]]:
 
 def one(samples: Series, name: str, **labels: str) -> float:
     """The value of the one sample of `name` with these labels (it must be exactly one)."""
-    hits = [s for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    hits = [
+        s for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(hits) == 1, (name, labels, hits)
     return hits[0].value
 
