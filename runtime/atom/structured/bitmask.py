@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # xgrammar's CPU kernel's
+
 
 class StepMask:
     """One step's filled mask: host rows and which of them to apply."""
@@ -27,15 +29,20 @@ class StepMask:
         """Set the disallowed tokens of the constrained rows of logits [n, vocab] to -inf, in
         place; returns logits."""
         mask = self.host
+        rows: list[int] | torch.Tensor | None = self.rows
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
             if self._slot is not None:
                 self._slot.copied(self._turn)
-        elif logits.dtype != torch.float32:  # xgrammar's CPU kernel takes fp32 only
+            # Every row, or the rows from pinned memory: xgrammar would copy a list from
+            # pageable memory, which waits for the stream (and the step launched ahead).
+            rows = None if len(self.rows) == logits.shape[0] else torch.tensor(
+                self.rows, dtype=torch.int32, pin_memory=True).to(logits.device,
+                                                                  non_blocking=True)
+        elif logits.dtype not in CPU_KERNEL_DTYPES:
             _apply_torch(logits, mask, self.rows, self.vocab_size)
             return logits
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size,
-                                        indices=self.rows)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
         return logits
 
 

@@ -6,11 +6,12 @@ sequence's matcher up to its tokens and fills the step's mask while the GPU runs
 (the engine calls it after launching the forward, before sampling); `verify_mask` does the same
 for a speculative verify's k + 1 rows per request. A step with no constrained row costs one
 pass over the batch and returns None: the sampler then does exactly what it did before.
-The tokenizer (for the vocabulary) is loaded on the first constrained request.
+The tokenizer (for the vocabulary) is read in a thread started with the engine.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -38,20 +39,37 @@ class StructuredHost:
         self.special_ids = special_ids
         self._cache: GrammarCache | None = None
         self._buffers: MaskBuffers | None = None
+        self._failure: Exception | None = None
+        # The vocabulary is read beside the engine's start (a GGUF tokenizer takes seconds), so
+        # the first constrained request does not stall the step loop for it.
+        self._loading = threading.Thread(target=self._load, name="structured-vocab", daemon=True)
+        self._loading.start()
 
-    @property
-    def cache(self) -> GrammarCache:
-        if self._cache is None:
-            from atom.tokenizer import load_tokenizer
+    def _load(self) -> None:
+        from atom.tokenizer import load_tokenizer
 
+        try:
             bos, eos = self.special_ids
             tok = load_tokenizer(self.model, self.vocab_size, bos,
                                  [eos] if isinstance(eos, int) else eos)
-            self._cache = GrammarCache(tokenizer_info(tok, self.vocab_size, self.stop_ids))
+            info = tokenizer_info(tok, self.vocab_size, self.stop_ids)
+        except Exception as exc:  # reported to the first constrained request, not at start
+            self._failure = exc
+            return
+        if self._cache is None:
+            self._cache = GrammarCache(info)
+
+    @property
+    def cache(self) -> GrammarCache:
+        self._loading.join()
+        if self._cache is None:
+            raise ValueError(f"structured output is not available for {self.model}: "
+                             f"{self._failure}")
         return self._cache
 
     def set_tokenizer_info(self, info: xgr.TokenizerInfo) -> None:
         """Use this vocabulary (tests, and servers that already hold one)."""
+        self._loading.join()
         self._cache = GrammarCache(info)
 
     def attach(self, seq: Sequence, spec: StructuredSpec) -> None:
