@@ -166,6 +166,11 @@ def test_cluster_scope_rbac(run_offline: Runner, helm_bin: str) -> None:
     # secrets: it creates the internal-token Secret once and never reads it back.
     assert [verb for _, resource, verb in rules if resource == "secrets"] == ["create"]
     assert ("autoscaling", "horizontalpodautoscalers", "list") in rules
+    # spec.autoscaling / spec.inferencePool children: those two kinds of their groups only.
+    assert ("keda.sh", "scaledobjects", "patch") in rules
+    assert ("inference.networking.k8s.io", "inferencepools", "delete") in rules
+    assert {r for g, r, _ in rules if g in ("keda.sh", "inference.networking.k8s.io")} == {
+        "scaledobjects", "inferencepools"}
     for resource in ("networkpolicies", "poddisruptionbudgets"):
         assert any(r == resource and v == "delete" for _, r, v in rules), resource
     assert ("atom.dev", "atomdeployments", "update") not in rules
