@@ -1,8 +1,10 @@
-"""`python -m atom_devtools.devcluster` (hack/controlplane): install | up [--check] | env."""
+"""`python -m atom_devtools.devcluster` (hack/controlplane): install [--addons] | up [--check]
+[--flux] | env."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -10,8 +12,9 @@ import sys
 import time
 from types import FrameType
 
-from . import cache, versions
+from . import addons, cache, versions
 from .errors import ClusterError, ProvisionError
+from .gitserver import GitServer
 from .provision import component_names, install
 
 
@@ -22,9 +25,13 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 
 def cmd_install(args: argparse.Namespace) -> int:
     start = time.monotonic()
-    result = install(args.components or None, force=args.force)
+    if args.addons:
+        result = addons.install(args.components or None, force=args.force)
+    else:
+        result = install(args.components or None, force=args.force)
     for name, state in result.items():
-        comp = cache.ALL_COMPONENTS.get(name)
+        comp = cache.ALL_COMPONENTS.get(name) or (addons.ADDONS[name].component
+                                                  if name in addons.ADDONS else None)
         version, where = (comp.version, comp.bin_dir) if comp else ("apt", "system packages")
         print(f"{name:<11} {version:<8} {state:<9} {where}")
     print(f"control-plane binaries ready in {time.monotonic() - start:.1f}s")
@@ -35,14 +42,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .cluster import LocalCluster
     from .provision import INSTALLERS
 
-    # The control plane; with --real-node the node's pieces too.
+    # The control plane; with --real-node the node's pieces too; with --flux that addon.
     install(None if args.real_node else list(INSTALLERS))
+    if args.flux:
+        addons.install(["flux"])
     # SIGINT too: a shell starts background jobs with it ignored, and `kill -INT` must still work.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
-        with LocalCluster(nodes=args.nodes, keep=args.keep, real_node=args.real_node) as cluster:
+        with (LocalCluster(nodes=args.nodes, keep=args.keep, real_node=args.real_node,
+                           flux=args.flux) as cluster,
+              contextlib.ExitStack() as stack):
             print(f"kubeconfig: {cluster.kubeconfig}")
+            if args.flux:
+                git = stack.enter_context(GitServer())
+                print(f"flux: source-controller and kustomize-controller running; a Git "
+                      f"repository to point a GitRepository at: {git.create('platform')}")
             print(f"export KUBECONFIG={shlex.quote(cluster.kubeconfig)}")
             print(cluster.kubectl("get", "nodes", "-o", "wide").stdout, end="", flush=True)
             if args.check:
@@ -79,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("components", nargs="*", metavar="COMPONENT",
                    help=f"any of {', '.join(component_names())} (default: all)")
     p.add_argument("--force", action="store_true", help="rebuild even when cached")
+    p.add_argument("--addons", action="store_true",
+                   help=f"build the optional components instead ({', '.join(addons.ADDONS)}; "
+                        "COMPONENT names them, default all)")
     p.set_defaults(func=cmd_install)
     p = sub.add_parser("up", help="start a local cluster in the foreground (Ctrl-C stops it)")
     p.add_argument("--check", action="store_true", help="start, show the nodes, stop")
@@ -87,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-node", action="store_true",
                    help="also one real node (containerd, kubelet, CNI, kube-proxy, CoreDNS), "
                         "tainted atom.dev/real-node=true:NoSchedule; needs root")
+    p.add_argument("--flux", action="store_true",
+                   help="also Flux (source-controller, kustomize-controller; the flux addon) "
+                        "and a Git server on 127.0.0.1 over smart HTTP")
     p.set_defaults(func=cmd_up)
     p = sub.add_parser("env", help="print shell exports putting the cached binaries on PATH")
     p.set_defaults(func=cmd_env)

@@ -1,5 +1,6 @@
 """`LocalCluster`: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok as
-local processes on 127.0.0.1, free ports, one temporary directory (logs, certs, kubeconfig)."""
+local processes on 127.0.0.1, free ports, one temporary directory (logs, certs, kubeconfig);
+with `flux=True` also Flux's source-controller and kustomize-controller (flux.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from types import TracebackType
 from . import cache, manifests
 from .api import ApiClient, probe
 from .errors import ClusterError, ProvisionError
+from .flux import FLUX, Flux
 from .procs import Process, stop_all
 from .provision import require
 from .realnode import NODE_NAME, RealNode, require_root
@@ -65,10 +67,13 @@ class LocalCluster:
     """
 
     def __init__(self, *, nodes: int = 2, keep: bool = False, timeout: float = 120,
-                 log: Callable[[str], None] | None = None, real_node: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, real_node: bool = False,
+                 flux: bool = False) -> None:
         self.node_names = [f"kwok-node-{i}" for i in range(nodes)]
         self.real_node = real_node
         self.node: RealNode | None = None
+        self.with_flux = flux  # Flux's source-controller and kustomize-controller (flux.py)
+        self.flux: Flux | None = None
         self.keep = keep
         self.timeout = timeout
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -114,6 +119,9 @@ class LocalCluster:
         require(real_node=self.real_node)
         if self.real_node:
             require_root()
+        if self.with_flux and not FLUX.is_installed():
+            raise ProvisionError(f"the Flux controllers are missing from {FLUX.bin_dir}: run "
+                                 "`hack/controlplane install --addons flux`")
         begin = time.monotonic()
         self.dir = Path(tempfile.mkdtemp(prefix="atom-cluster-"))
         atexit.register(self.stop)
@@ -236,6 +244,12 @@ class LocalCluster:
         # The controller-manager creates it; pods cannot be admitted before it exists.
         self._wait("the default ServiceAccount", lambda: api.get(
             "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200)
+        if self.with_flux:
+            self.flux = Flux(self.kubeconfig, self._path("flux"), self.timeout)
+            try:
+                self.flux.start()
+            finally:  # stopped with the other clients, even when its start fails
+                self.procs += self.flux.procs
 
     def _client(self) -> ApiClient:
         assert self.api is not None, "the API server is started first"

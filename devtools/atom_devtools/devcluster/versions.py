@@ -23,6 +23,10 @@ DEBIAN_PACKAGES = (
     "runc", "containernetworking-plugins", "iptables", "conntrack", "socat",
     "buildah", "umoci", "skopeo", "mmdebstrap", "uidmap",
 )
+# Flux (the `flux` addon, devcluster/flux.py): source-controller and kustomize-controller of one
+# release. v1.10.1 does not build here: its go.mod needs go 1.27 and the module proxy refuses 8
+# of its dependencies' versions (403), so the previous minor's last patch.
+FLUX = "v1.9.6"
 # Oldest Go that builds all of the above (their go.mod files say go 1.26.0).
 MIN_GO = (1, 26)
 
