@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cache, flux, gotool
+from . import cache, flux, gie, gotool, keda
 from .errors import ProvisionError, tail
 
 
@@ -33,6 +33,8 @@ class Addon:
 
 ADDONS: dict[str, Addon] = {a.name: a for a in (
     Addon("flux", flux.FLUX, flux.install_flux),
+    Addon("keda", keda.KEDA, keda.install_keda),
+    Addon("gie", gie.GIE, gie.install_gie),  # the InferencePool CRD (no build)
 )}
 
 

@@ -22,6 +22,8 @@ from . import cache, manifests
 from .api import ApiClient, probe
 from .errors import ClusterError, ProvisionError
 from .flux import FLUX, Flux
+from .keda import PORTS as KEDA_PORTS
+from .keda import KedaAddon
 from .procs import Process, stop_all
 from .provision import require
 from .realnode import NODE_NAME, RealNode, require_root
@@ -68,10 +70,12 @@ class LocalCluster:
 
     def __init__(self, *, nodes: int = 2, keep: bool = False, timeout: float = 120,
                  log: Callable[[str], None] | None = None, real_node: bool = False,
-                 flux: bool = False) -> None:
+                 keda: bool = False, flux: bool = False) -> None:
         self.node_names = [f"kwok-node-{i}" for i in range(nodes)]
         self.real_node = real_node
         self.node: RealNode | None = None
+        self.with_keda = keda  # KEDA's operator and metrics API server (keda.py)
+        self.keda: KedaAddon | None = None
         self.with_flux = flux  # Flux's source-controller and kustomize-controller (flux.py)
         self.flux: Flux | None = None
         self.keep = keep
@@ -171,6 +175,9 @@ class LocalCluster:
 
     def _start(self) -> None:
         etcd_port, peer_port, api_port, kcm_port, sched_port, *node_ports = free_ports(11)
+        if self.with_keda:
+            self.keda = KedaAddon(self._path("keda"), self.kubeconfig, self._spawn, self._wait,
+                                  free_ports(KEDA_PORTS))
         if self.real_node:
             self.node = RealNode(self._path(), self.kubeconfig, self._spawn, self._wait,
                                  node_ports)
@@ -198,6 +205,7 @@ class LocalCluster:
             f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
             f"--token-auth-file={self._path('tokens.csv')}", "--authorization-mode=RBAC",
             "--allow-privileged=true", "--profiling=false",
+            *(self.keda.apiserver_flags() if self.keda else []),
         ])
         self._wait("the API server's certificate", lambda: Path(self.ca_file).is_file())
         self.api = api = ApiClient(self.server, self.token, self.ca_file)
@@ -250,6 +258,8 @@ class LocalCluster:
                 self.flux.start()
             finally:  # stopped with the other clients, even when its start fails
                 self.procs += self.flux.procs
+        if self.keda is not None:
+            self.keda.start(self.kubectl)
 
     def _client(self) -> ApiClient:
         assert self.api is not None, "the API server is started first"

@@ -23,6 +23,12 @@ DEBIAN_PACKAGES = (
     "runc", "containernetworking-plugins", "iptables", "conntrack", "socat",
     "buildah", "umoci", "skopeo", "mmdebstrap", "uidmap",
 )
+# Optional components (`hack/controlplane install --addons`): KEDA (operator + metrics API
+# server) and the Gateway API Inference Extension's InferencePool CRD.
+KEDA = "v2.21.1"
+# KEDA v2.21.1's go.mod says go 1.27.4: its go commands run under this toolchain (GOTOOLCHAIN).
+KEDA_GO = "go1.27.4"
+GATEWAY_API_INFERENCE_EXTENSION = "v1.6.2"
 # Flux (the `flux` addon, devcluster/flux.py): source-controller and kustomize-controller of one
 # release. v1.10.1 does not build here: its go.mod needs go 1.27 and the module proxy refuses 8
 # of its dependencies' versions (403), so the previous minor's last patch.
