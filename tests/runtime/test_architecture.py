@@ -119,6 +119,7 @@ ALLOWED = {
         "cudagraph",
         "disagg",
         "spec_decode",
+        "structured",
         "executor",
         "distributed",
         "utils",
@@ -129,7 +130,9 @@ ALLOWED = {
     # through atom.distributed.parallel_state.
     "executor": {"engine", "distributed", "config"},
     # Beside the engine: drafters and verification drive the runner and the block manager.
-    "spec_decode": {"engine", "models", "cudagraph", "utils", "config"},
+    "spec_decode": {"engine", "models", "cudagraph", "utils", "config", "structured"},
+    # Beside the engine: grammar matchers follow its sequences; the vocabulary is the server's.
+    "structured": {"engine", "tokenizer"},
 }
 # Modules below the scheduler: they never see a Sequence.
 BELOW_SCHEDULER = ["engine/model_runner.py", "engine/host_staging.py", "engine/batch.py"]
