@@ -84,14 +84,19 @@ def largest_batch(num_blocks: int, block_size: int, prompt_len: int, output_len:
 
 
 def bytes_per_step(model: Any, kv_bytes_per_token: int, context: int) -> int:
-    """Bytes one batch-1 decode step must read: every parameter it multiplies by (an untied
+    """Bytes one batch-1 decode step must read: every weight it multiplies by (an untied
     embedding table is only indexed, one row a step: left out) and the sequence's KV."""
     skip = set()
     if not model.tie_word_embeddings:
         skip.add(model.model.embed_tokens.weight.data_ptr())
     weights = sum(p.numel() * p.element_size() for p in model.parameters()
                   if p.data_ptr() not in skip)
-    return weights + kv_bytes_per_token * context
+    # --quantization fp8: the projections' FP8 weights and scales are buffers.
+    from atom.quantization.fp8_layers import Fp8Weights
+
+    fp8 = sum(t.numel() * t.element_size() for m in model.modules()
+              if isinstance(m, Fp8Weights) for t in m.buffers())
+    return weights + fp8 + kv_bytes_per_token * context
 
 
 def copy_rate(device: str) -> float:

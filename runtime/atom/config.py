@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from atom.compilation.levels import CompilationLevel, CUDAGraphMode, default_capture_sizes  # noqa: F401 - the guide imports them from here
 from atom.lora.config import LoRAConfig
+from atom.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, precision_factors
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ class CompilationConfig:
     use_inductor: bool = True
     compile_sizes: list[int | str] | None = None
     inductor_compile_config: dict = field(default_factory=dict)
+    # TR_HYBRID prefill token buckets above the capture sizes, up to max_num_batched_tokens
+    # (atom.cudagraph.buckets; None: its default ladder, []: none). Graphs, not compiled
+    # code: left out of the cache hash.
+    prefill_token_sizes: list[int] | None = None
     debug_dump_path: str = ""
     cache_dir: str = ""
     # Filled at run time, not configuration (excluded from the cache hash).
@@ -63,6 +68,9 @@ class CompilationConfig:
         if len(self.cuda_graph_sizes) == 0:
             raise ValueError("compilation_config.cuda_graph_sizes must hold at least one size")
         self.cuda_graph_sizes = list(self.cuda_graph_sizes)
+        if self.prefill_token_sizes is not None:
+            _check_sizes("compilation_config.prefill_token_sizes", self.prefill_token_sizes)
+            self.prefill_token_sizes = list(self.prefill_token_sizes)
         if self.compile_sizes is not None:
             _check_sizes("compilation_config.compile_sizes", self.compile_sizes, allow_keyword=True)
             self.compile_sizes = list(self.compile_sizes)
@@ -117,7 +125,8 @@ class CompilationConfig:
 
     def hash_factors(self) -> dict[str, Any]:
         """What changes compiled code; paths and run-time fields are left out on purpose."""
-        skip = {"cache_dir", "debug_dump_path", "traced_files", "local_cache_dir"}
+        skip = {"cache_dir", "debug_dump_path", "traced_files", "local_cache_dir",
+                "prefill_token_sizes"}
         out: dict[str, Any] = {}
         for f in fields(self):
             if f.name in skip:
@@ -294,6 +303,13 @@ class Config:
     tensor_parallel_size: int = 1
     # Multi-LoRA (atom.lora): None = off (the model path has no LoRA op); a dict is parsed.
     lora_config: LoRAConfig | None = None
+    # FP8 (atom.quantization): "fp8" quantizes the decoder's projection weights at load;
+    # kv_cache_dtype "fp8" stores the KV cache in float8_e4m3fn. Both enter the compile key.
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    # Set when level 3 took its default graph mode (no mode configured): the model runner then
+    # consults atom.cudagraph.mode_defaults with the model's size. Not configuration.
+    graph_mode_by_size: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.compilation_config, dict):
@@ -326,6 +342,8 @@ class Config:
             cc.set_splitting_ops_for_v1()
             if cc.cudagraph_mode is None:
                 cc.cudagraph_mode = CUDAGraphMode.TR_HYBRID
+                # the model runner may pick another by size (atom.cudagraph.mode_defaults)
+                self.graph_mode_by_size = True
         elif cc.cudagraph_mode is None:
             cc.cudagraph_mode = CUDAGraphMode.NONE
         if not cc.use_cudagraph:
@@ -360,6 +378,15 @@ class Config:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.quantization != "none" and self.lora_config is not None:
+            # LoRA's deltas run on the bf16 projections, which FP8 frees after quantizing.
+            raise ValueError("quantization and lora_config cannot be combined")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -443,10 +470,12 @@ class Config:
             # Shard shapes and collectives are other compiled code: never shared across TP
             # sizes. Left out at 1 so single-GPU caches keep their key.
             out["tensor_parallel_size"] = self.tensor_parallel_size
+        out.update(precision_factors(self.quantization, self.kv_cache_dtype))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("graph_mode_by_size", None)  # derived at run time, not a field to set
         cc = data["compilation_config"]
         cc.pop("traced_files", None)
         cc.pop("local_cache_dir", None)

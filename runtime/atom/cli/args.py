@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from atom.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
+
 ROLES = ("unified", "prefill", "decode")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -79,6 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json + safetensors) or a built-in shape name")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="fp8: the decoder's projection weights in float8_e4m3fn (per-channel scales, quantized at load; per-token activation scales)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="fp8: the KV cache in float8_e4m3fn (per-tensor scales); auto: the model's dtype")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)

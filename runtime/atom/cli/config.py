@@ -44,6 +44,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         model=args.model,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         served_model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

@@ -23,6 +23,7 @@ import torch
 from atom.compilation.decorators import compile_for_level
 from atom.compilation.prefetch import CompilePrefetch
 from atom.config import CompilationLevel, Config
+from atom.cudagraph.mode_defaults import default_mode
 from atom.cudagraph.region_graph import ReqGraph
 from atom.cudagraph.runner import GraphRunner
 from atom.distributed.communication import all_reduce_min
@@ -34,6 +35,7 @@ from atom.lora.manager import LoRAManager
 from atom.models.loader import build_model
 from atom.models.model_config import ModelConfig
 from atom.models.registry import load_model_config
+from atom.quantization.kv_cache import kv_cache_dtype
 from atom.spec_decode.draft_graph import DraftGraph
 from atom.utils.counters import counters
 from atom.utils.forward_context import (
@@ -103,6 +105,11 @@ class ModelRunner:
         with forward_context(no_compile_layers={}):
             self.model = build_model(config, self.hf_config)
         self.dtype = self.model.model.embed_tokens.weight.dtype
+        # --kv-cache-dtype fp8: the cache in float8_e4m3fn (atom.quantization.kv_cache).
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if config.graph_mode_by_size and not is_draft:  # no mode set: the size table's
+            config.compilation_config.cudagraph_mode = default_mode(
+                self.model.num_params() * tp_size())
         self.attn_layers = self.model.attention_layers()
         # Level 1 wraps the whole model in Dynamo (eager backend); levels 2-3 compile inside
         # the backbone's @support_torch_compile.
@@ -164,7 +171,7 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         cfg = self.hf_config
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * self.kv_heads_per_rank() * cfg.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -200,7 +207,7 @@ class ModelRunner:
         cfg = self.hf_config
         shape = (2, cfg.num_hidden_layers, num_blocks + 1, self.block_size,
                  self.kv_heads_per_rank(), cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, (layer_id, layer) in enumerate(sorted(self.attn_layers.items())):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]

@@ -95,14 +95,15 @@ def kv_tile(t, t_end, seq, kv_head, k_cache_ptr, v_cache_ptr, bt_ptr, stride_bt,
 def attend_tile(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
     """One online-softmax step of q's rows over a key tile, keys masked where valid
     (broadcast to [rows, keys]) is false: the new (max, sum, output)."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    # An FP8 cache's tiles widen to q's dtype (a no-op for a cache in the model's dtype).
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l_i, acc
 
 

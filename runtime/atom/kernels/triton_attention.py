@@ -39,6 +39,16 @@ from atom.kernels.rotary import Rope
 
 
 @triton.jit
+def cache_value(x, cache_ptr):
+    """x in the cache's element type. An FP8 cache (--kv-cache-dtype fp8, per-tensor scale 1:
+    atom.quantization.kv_cache) clamps first: float8_e4m3fn has no infinity, an overflow
+    would be NaN."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr,
                      stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
                      HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
@@ -56,8 +66,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, 
                               mask=mask)
             k = rotate_at(k, partner, pos, d, cos_ptr, sin_ptr, mask, HEAD_DIM // 2)
         v = tl.load(v_ptr + row * stride_v + offs, mask=mask)
-        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + offs, cache_value(k, k_cache_ptr), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, cache_value(v, v_cache_ptr), mask=mask)
 
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -106,7 +116,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
             phys = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
             base = phys * BLOCK_SIZE * kv_row + kv_head * HEAD_DIM
             kv_off = base + offs_n[:, None] * kv_row + offs_d[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+            k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             k_pos = b * BLOCK_SIZE + offs_n
             valid = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx)
@@ -116,7 +126,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, ctx_ptr,
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -246,8 +256,8 @@ def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cach
                 k_pair = tl.load(k_ptr + row64 * stride_k + head_off
                                  + (offs_d + HEAD_DIM // 2) % HEAD_DIM, mask=new_mask, other=0.0)
                 k_new = rotate(k_new, k_pair, k_cos, k_sin, offs_d, HEAD_DIM // 2)
-            k_new = k_new.to(k_cache_ptr.dtype.element_ty)
-            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+            k_new = cache_value(k_new, k_cache_ptr)
+            v_new = cache_value(v_new, v_cache_ptr)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)

@@ -33,6 +33,7 @@ from atom.layers.sharding import WeightTarget, split_evenly
 from atom.layers.vocab_embedding import VocabParallelEmbedding
 from atom.lora.weights import LoRALayer
 from atom.models.model_config import ModelConfig
+from atom.quantization.fp8_layers import Fp8Projections, fp8_linear_add, fp8_norm_linear
 
 
 def _max_positions(atom_config: Any, hf_config: ModelConfig) -> int:
@@ -123,7 +124,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding,
-                 tp: TPState) -> None:
+                 tp: TPState, quantization: str = "none") -> None:
         super().__init__()
         self.tp = tp
         self.self_attn = LlamaAttention(cfg, layer_id, rotary_emb, tp)
@@ -133,6 +134,27 @@ class LlamaDecoderLayer(nn.Module):
         # Multi-LoRA (atom.lora.attach sets it): the projections run unfused, each plus its
         # rows' adapter update. None: the fused path below, untouched.
         self.lora: LoRALayer | None = None
+        # --quantization fp8: the projections' FP8 weights, filled by quantize_weights once
+        # the checkpoint is in the bf16 layers (atom.quantization.fp8_layers).
+        self.fp8: Fp8Projections | None = (
+            Fp8Projections(*self.projection_weights()) if quantization == "fp8" else None)
+
+    def projection_weights(self) -> tuple[nn.Parameter, ...]:
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight)
+
+    def quantize_weights(self) -> None:
+        """FP8 weights from the loaded bf16 ones, which are then freed (no-op without fp8)."""
+        if self.fp8 is None:
+            return
+        for fp8, weight in self.fp8.pairs(self.projection_weights()):
+            fp8.quantize_from(weight.data)
+        norm = self.input_layernorm.weight
+        for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                     self.mlp.down_proj):
+            proj.weight = nn.Parameter(torch.empty(0, dtype=norm.dtype, device=norm.device),
+                                       requires_grad=False)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The residual stream in, the residual stream out. Each norm runs inside the
@@ -141,6 +163,8 @@ class LlamaDecoderLayer(nn.Module):
         sizes on CUDA; o_proj inside the attention op)."""
         if self.lora is not None:
             return self._forward_lora(self.lora, positions, hidden)
+        if self.fp8 is not None:
+            return self._forward_fp8(self.fp8, positions, hidden)
         # overlap: in the forward no kernel writes the parameters, the cache or the step's
         # metadata, so each launch may start while the one before it ends.
         qkv = norm_linear(hidden, self.input_layernorm, self.self_attn.qkv_proj, overlap=True)
@@ -152,6 +176,25 @@ class LlamaDecoderLayer(nn.Module):
         partial = linear_add(act, self.mlp.down_proj, hidden if self.tp.rank == 0 else None,
                              overlap=True)
         return tensor_parallel_all_reduce(partial)
+
+    def _forward_fp8(self, fp8: Fp8Projections, positions: torch.Tensor,
+                     hidden: torch.Tensor) -> torch.Tensor:
+        """forward's math with the FP8 projections (atom.quantization.fp8_layers): each norm
+        inside the projection after it, the residual add inside the one before; attention's
+        o_proj is an op of its own here."""
+        attn, mlp = self.self_attn, self.mlp
+        # A row-parallel rank other than 0 must not carry the residual stream a second time.
+        carry = self.tp.world_size == 1 or self.tp.rank == 0
+        qkv = fp8_norm_linear(hidden, self.input_layernorm, fp8.qkv, attn.qkv_proj.bias)
+        q, k, v = attn.split_qkv(qkv)
+        out = attn.attn(q, k, v, positions, attn.rotary_emb, overlap=True)
+        hidden = fp8_linear_add(out, fp8.o, attn.o_proj.bias, hidden if carry else None)
+        if self.tp.world_size > 1:
+            hidden = tensor_parallel_all_reduce(hidden)
+        act = fp8_norm_linear(hidden, self.post_attention_layernorm, fp8.gate_up,
+                              mlp.gate_up_proj.bias, gated=True)
+        out = fp8_linear_add(act, fp8.down, mlp.down_proj.bias, hidden if carry else None)
+        return tensor_parallel_all_reduce(out) if self.tp.world_size > 1 else out
 
     def _forward_lora(self, lora: LoRALayer, positions: torch.Tensor,
                       hidden: torch.Tensor) -> torch.Tensor:
@@ -190,7 +233,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(hf_config.head_dim, max_positions,
                                           hf_config.rope_theta, hf_config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, self.rotary_emb, tp)
+            LlamaDecoderLayer(hf_config, i, self.rotary_emb, tp, atom_config.quantization)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -232,6 +275,19 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         # TP > 1: this rank's vocabulary columns, joined in rank order.
         return tensor_parallel_all_gather(project(hidden_states, weight, None), dim=-1)
+
+    def num_params(self) -> int:
+        """This rank's weights, counted once: parameters, and FP8 projections (buffers) in
+        place of the bf16 ones they replaced."""
+        fp8 = [layer.fp8 for layer in self.model.decoder_layers() if layer.fp8 is not None]
+        return (sum(p.numel() for p in self.parameters())
+                + sum(w.weight.numel() for f in fp8 for w in (f.qkv, f.o, f.gate_up, f.down)))
+
+    def quantize_loaded_weights(self) -> None:
+        """Once the checkpoint is loaded: the FP8 weights of --quantization fp8 (a no-op
+        without it)."""
+        for layer in self.model.decoder_layers():
+            layer.quantize_weights()
 
     def attention_layers(self) -> dict[int, Attention]:
         return {layer.self_attn.attn.layer_id: layer.self_attn.attn for layer in self.model.decoder_layers()}

@@ -184,4 +184,5 @@ def build_model(config: Any, hf_config: ModelConfig) -> LlamaForCausalLM:
     else:
         assert hf_config.path is not None  # refused above without one
         load_safetensors(model, hf_config.path)
+    model.quantize_loaded_weights()  # --quantization fp8: from the loaded weights
     return model.eval()
