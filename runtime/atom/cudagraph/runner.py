@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from atom.config import Config, CUDAGraphMode, default_capture_sizes
+from atom.cudagraph.buckets import dummy_layout, prefill_token_sizes
 from atom.cudagraph.region_graph import (
     ReqGraph,
     SegmentRecorder,
@@ -372,6 +373,27 @@ class GraphRunner:
         runner.set_context(md, ctx)  # also installs the runner's attention layers
         return ids, positions
 
+    def _prefill_sizes(self, sizes: list[int]) -> list[int]:
+        """The prefill pass's token buckets: the capture sizes and, above them, the prefill
+        buckets up to the token budget (atom.cudagraph.buckets)."""
+        cfg = self.config
+        return prefill_token_sizes(sizes, cfg.compilation_config.prefill_token_sizes,
+                                   int(cfg.max_num_batched_tokens or 0),
+                                   int(cfg.max_num_seqs), int(cfg.block_size))
+
+    def _dummy_prefill(self, runner: GraphRunnerHost, rows: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fake prefill batch of rows tokens, as sequences the runner's buffers hold."""
+        layout = dummy_layout(rows, int(self.config.max_num_seqs), int(self.config.block_size))
+        assert layout is not None  # prefill_token_sizes keeps only buckets with a layout
+        if layout.q_len == 1:
+            return self._dummy(runner, rows, is_prefill=True)
+        ids, positions, md, ctx = runner.build_dummy_decode(layout.num_seqs, layout.q_len)
+        ctx.is_prefill = True
+        ctx.is_draft = self.is_draft
+        runner.set_context(md, ctx)
+        return ids, positions
+
     @torch.inference_mode()
     def capture(self, runner: GraphRunnerHost) -> tuple[float, list[int]]:
         """Record every bucket the mode needs; returns (seconds, sizes ascending)."""
@@ -409,8 +431,8 @@ class GraphRunner:
                 if use_tr and self.mixed_mode == CUDAGraphMode.TR_HYBRID:
                     # Prefill pass: a unit that records the same work in both phases only claims
                     # the decode recordings; a per-phase unit records its own.
-                    for bs in sizes:
-                        ids, positions = self._dummy(runner, bs, is_prefill=True)
+                    for rows in self._prefill_sizes(sizes):
+                        ids, positions = self._dummy_prefill(runner, rows)
                         if any(tg.per_phase for tg in self.token_graphs):
                             runner.model(ids, positions)
                         self._record_token_graphs(runner, ids, positions)
