@@ -106,6 +106,11 @@ def render_args(
     model = spec.model
     args = [command, "--model", model_argument(model)]
     args += ["--load-format", model.load_format, "--dtype", model.dtype]
+    # Only when set: the runtime's defaults, so existing pods keep their arguments.
+    if spec.quantization != "none":
+        args += ["--quantization", spec.quantization]
+    if spec.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     if model.name and model.name != model_argument(model):
         args += ["--served-model-name", model.name]
     args += ["--host", "0.0.0.0", "--port", str(naming.HTTP_PORT)]
@@ -218,6 +223,10 @@ def cache_key(spec: AtomDeploymentSpec, role: str, image: str) -> str:
     }
     if spec.device != "gpu":  # only when set: the keys of existing GPU deployments stay as they are
         identity["device"] = spec.device
+    if spec.quantization != "none":  # likewise: FP8 weights and caches are other compiled code
+        identity["quantization"] = spec.quantization
+    if spec.kv_cache_dtype != "auto":
+        identity["kvCacheDtype"] = spec.kv_cache_dtype
     tensor = tensor_size(spec, role)
     if tensor != 1:  # likewise: TP 1 keys are the keys from before the field
         # Each rank's graph holds 1/N of the weights: pods of one size share a cache, others never.

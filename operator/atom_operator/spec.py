@@ -41,6 +41,8 @@ RoutingPolicy = Literal["prefix", "least-outstanding"]
 Device = Literal["gpu", "cpu"]
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
 KVTransport = Literal["auto", "cuda-ipc", "nccl", "tcp"]
+Quantization = Literal["none", "fp8"]
+KVCacheDtype = Literal["auto", "fp8"]
 KV_TRANSPORTS: tuple[str, ...] = KVTransport.__args__  # type: ignore[attr-defined]
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # Volume sources that reach the node itself (files, host binaries, git on the host).
@@ -471,6 +473,18 @@ class AtomDeploymentSpec(CamelModel):
         "prefixes seen before are reused instead of recomputed (false renders "
         "--no-enable-prefix-caching). Not in the compile-cache key: it changes no compiled code "
         "or captured graph, only which blocks the scheduler hands out.",
+    )
+    quantization: Quantization = Field(
+        default="none",
+        description="Weight quantization (--quantization): fp8 quantizes the decoder's "
+        "projection weights to float8_e4m3fn at load (per-channel scales, per-token activation "
+        "scales; Hopper or newer). Part of the compile-cache key.",
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto",
+        description="KV cache element type (--kv-cache-dtype): auto (the model's dtype) or fp8 "
+        "(float8_e4m3fn, per-tensor scales: twice the tokens in the same memory). Part of the "
+        "compile-cache key.",
     )
     compilation: Compilation = _section(Compilation, "Compilation level and CUDA graph settings.")
     compile_cache: CompileCacheSpec = _section(CompileCacheSpec, "Compile-cache volume.")
