@@ -5,8 +5,9 @@ Every row decodes greedily with ignore_eos for --tokens tokens. Constrained rows
 that stays open for the whole run, so every step fills and applies a real mask: `regex` (300+
 letters, a character class the matcher checks against the whole vocabulary) or `json` (an object
 with a free-text field). Reported per batch size: the median decode step (ms) free and
-constrained, the difference, and the host's own mask time per step (StructuredHost.step_mask,
-the fill; its apply is inside the sampler).
+constrained, the difference, and the mask's own time per step: the fill on the host
+(StructuredHost.step_mask) and the apply to the logits (StepMask.apply, in the sampler; on CUDA
+its launch, the kernel runs on the stream).
 
     python3 bench/structured_bench.py --device cpu --batches 1 8 --out structured.json
     python3 bench/structured_bench.py --device cuda --batches 1 64 --level 3   # GPU
@@ -23,6 +24,7 @@ from typing import Any
 
 from atom.config import CompilationConfig, Config
 from atom.engine import LLMEngine, SamplingParams
+from atom.structured.bitmask import StepMask
 from atom.structured.host import StructuredHost
 from atom.structured.spec import StructuredKind, StructuredSpec
 from common import emit_report, git_commit
@@ -68,24 +70,33 @@ def _prompt_ids(engine: LLMEngine) -> list[int]:
     return _PROMPT_IDS
 
 
-def _mask_time(host: StructuredHost) -> tuple[Callable[[], None], list[float]]:
-    """Wrap host.step_mask to time it; returns the undo and the samples."""
-    samples: list[float] = []
-    inner = host.step_mask
+def _mask_time(host: StructuredHost) -> tuple[Callable[[], None], list[float], list[float]]:
+    """Time host.step_mask (the fill) and StepMask.apply; returns the undo and the samples."""
+    fills: list[float] = []
+    applies: list[float] = []
+    inner, inner_apply = host.step_mask, StepMask.apply
 
     def timed(*args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         out = inner(*args, **kw)
         if out is not None:
-            samples.append(time.perf_counter() - t0)
+            fills.append(time.perf_counter() - t0)
+        return out
+
+    def timed_apply(self: StepMask, logits: Any) -> Any:
+        t0 = time.perf_counter()
+        out = inner_apply(self, logits)
+        applies.append(time.perf_counter() - t0)
         return out
 
     host.step_mask = timed  # type: ignore[method-assign]
+    StepMask.apply = timed_apply  # type: ignore[method-assign]
 
     def undo() -> None:
         host.step_mask = inner  # type: ignore[method-assign]
+        StepMask.apply = inner_apply  # type: ignore[method-assign]
 
-    return undo, samples
+    return undo, fills, applies
 
 
 def main() -> None:
@@ -110,13 +121,14 @@ def main() -> None:
         for name in args.grammar:
             spec = GRAMMARS[name]
             engine.structured.cache.get(spec)  # compiled before timing
-            undo, masks = _mask_time(engine.structured)
+            undo, fills, applies = _mask_time(engine.structured)
             constrained = statistics.median(_timed_steps(engine, batch, args.tokens, spec))
             undo()
             row = {"batch": batch, "grammar": name, "free_step_ms": round(free * 1e3, 2),
                    "constrained_step_ms": round(constrained * 1e3, 2),
                    "slower_pct": round((constrained / free - 1) * 100, 1),
-                   "mask_fill_ms": round(statistics.median(masks) * 1e3, 3)}
+                   "mask_fill_ms": round(statistics.median(fills) * 1e3, 3),
+                   "mask_apply_ms": round(statistics.median(applies) * 1e3, 3)}
             rows.append(row)
             print(row, flush=True)
     report = {"bench": "structured_output", "model": MODEL, "device": args.device,
