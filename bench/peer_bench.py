@@ -233,6 +233,41 @@ def comparison(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def targets(report: dict[str, Any]) -> list[str]:
+    """Issue 47's targets that this report's rows decide, each 'PASS: ...' or 'FAIL: ...'."""
+    lines: list[str] = []
+
+    def add(ok: bool, text: str) -> None:
+        lines.append(("PASS: " if ok else "FAIL: ") + text)
+
+    card = "H200" if "H200" in report["card"] else "H100"
+    fp8 = report["precision"].startswith("FP8")
+    if "decode" in report and not fp8:
+        r = report["decode"]["step_over_roofline"]
+        add(r <= 1.2, f"batch-1 decode step {r:.2f}x the HBM roofline <= 1.2x")
+    offline = {r["workload"]: r["tok_s"] for r in report.get("offline", [])}
+    served = {r["clients"]: r for r in report.get("served", [])}
+    sat = next((r for r in served.values() if r["saturation"]), None)
+    if sat is not None and sat["workload"] == "1000/1000" and not fp8:
+        add(sat["tok_s"] >= 1.5 * 5333,
+            f"served at saturation {sat['tok_s']:.0f} tok/s >= 1.5x vLLM's 5,333 (H100)")
+        if "1000/1000" in offline:
+            add(sat["tok_s"] >= 0.9 * offline["1000/1000"],
+                f"served at saturation {sat['tok_s']:.0f} >= 0.9x offline "
+                f"{offline['1000/1000']:.0f} tok/s")
+    if fp8 and "1000/1000" in offline:
+        trt = next(p.value for p in PEERS if p.system == "TensorRT-LLM 1.0" and p.card == card
+                   and p.workload == "offline 1000/1000")
+        add(offline["1000/1000"] >= 0.8 * trt,
+            f"FP8 offline 1000/1000 {offline['1000/1000']:.0f} tok/s >= 0.8x TensorRT-LLM's "
+            f"{trt:,.0f} ({card})")
+    if 64 in served and served[64]["workload"].startswith("1000/"):
+        p99 = served[64]["ttft_later_ms"]["p99"]
+        add(p99 <= 300, f"TTFT p99 at 64 clients (second and later requests) {p99:.0f} ms "
+                        "<= 300 ms")
+    return lines
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (f"{'workload':<26} {'metric':<13} {'system':<20} {'card':<24} {'precision':<28} "
             f"{'value':>10}  note")
@@ -360,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     if "card" not in report:
         report["card"] = _card(args)
     report["comparison"] = comparison(report)
+    report["targets"] = targets(report)
     print(f"\nmodel={args.model} card={report['card']} precision={report['precision']}")
     print_table(report["comparison"])
+    for line in report["targets"]:
+        print(line)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -72,3 +72,25 @@ def test_quick_run_reports_every_part_with_card_and_precision(tmp_path: Path) ->
     assert trt == {(card, f"offline {w}", "FP8") for card in ("H100", "H200")
                    for w in ("128/128", "1000/1000", "2048/2048")}
 
+
+
+def test_targets_follow_the_card_and_precision() -> None:
+    from peer_bench import targets
+
+    bf16 = {"card": "NVIDIA H100 80GB HBM3", "precision": "BF16 weights, BF16 KV",
+            "decode": {"step_over_roofline": 1.1},
+            "offline": [{"workload": "1000/1000", "tok_s": 9000.0}],
+            "served": [{"clients": 64, "saturation": False, "workload": "1000/1000",
+                        "tok_s": 5000.0, "ttft_later_ms": {"p50": 100.0, "p99": 350.0}},
+                       {"clients": 512, "saturation": True, "workload": "1000/1000",
+                        "tok_s": 8500.0, "ttft_later_ms": {"p50": 1.0, "p99": 2.0}}]}
+    assert targets(bf16) == [
+        "PASS: batch-1 decode step 1.10x the HBM roofline <= 1.2x",
+        "PASS: served at saturation 8500 tok/s >= 1.5x vLLM's 5,333 (H100)",
+        "PASS: served at saturation 8500 >= 0.9x offline 9000 tok/s",
+        "FAIL: TTFT p99 at 64 clients (second and later requests) 350 ms <= 300 ms",
+    ]
+    fp8 = {"card": "NVIDIA H200", "precision": "FP8 weights, FP8 KV",
+           "offline": [{"workload": "1000/1000", "tok_s": 14000.0}]}
+    assert targets(fp8) == [
+        "FAIL: FP8 offline 1000/1000 14000 tok/s >= 0.8x TensorRT-LLM's 17,744 (H200)"]

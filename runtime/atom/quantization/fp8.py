@@ -52,10 +52,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # Row-wise scaled FP8 GEMM: bf16 out (the row-wise recipe's output type); the weight's
         # transpose is the column-major operand it wants, with no copy.
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale,
-                               scale_b=weight_scale.reshape(1, -1),
-                               bias=None if bias is None else bias.to(torch.bfloat16),
-                               out_dtype=torch.bfloat16)
-        return out.to(x.dtype)
+                               scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
+        # The bias (Qwen2's q/k/v) added after: one launch, on no row-wise kernel's terms.
+        out = out.to(x.dtype)
+        return out if bias is None else out + bias
     out = dequantize(xq, x_scale) @ dequantize(weight, weight_scale).t()
     if bias is not None:
         out = out + bias.float()

@@ -28,15 +28,19 @@ class Fp8Weights(nn.Module):
     weight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, out_features: int, in_features: int) -> None:
+    def __init__(self, out_features: int, in_features: int,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         # Buffers, not parameters: what is drawn or loaded is the bf16 weight they come from.
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE))
-        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE,
+                                                   device=device))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32,
+                                                 device=device))
 
     @classmethod
     def like(cls, weight: torch.Tensor) -> Fp8Weights:
-        return cls(weight.shape[0], weight.shape[1])
+        """Empty FP8 weights of weight's shape, on its device."""
+        return cls(weight.shape[0], weight.shape[1], weight.device)
 
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor) -> None:
