@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=0)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3, help="free/constrained run pairs")
     ap.add_argument("--grammar", choices=sorted(GRAMMARS), nargs="+", default=["regex", "json"])
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -117,13 +118,23 @@ def main() -> None:
     _timed_steps(engine, 1, 4, None)  # a first run: lazy allocations out of the numbers
     rows = []
     for batch in args.batches:
-        free = statistics.median(_timed_steps(engine, batch, args.tokens, None))
         for name in args.grammar:
             spec = GRAMMARS[name]
             engine.structured.cache.get(spec)  # compiled before timing
-            undo, fills, applies = _mask_time(engine.structured)
-            constrained = statistics.median(_timed_steps(engine, batch, args.tokens, spec))
-            undo()
+            # Free and constrained runs alternate, so a drift in the machine's load hits both.
+            free_steps: list[float] = []
+            constrained_steps: list[float] = []
+            fills: list[float] = []
+            applies: list[float] = []
+            for _ in range(args.repeats):
+                free_steps += _timed_steps(engine, batch, args.tokens, None)
+                undo, fill, apply = _mask_time(engine.structured)
+                constrained_steps += _timed_steps(engine, batch, args.tokens, spec)
+                undo()
+                fills += fill
+                applies += apply
+            free = statistics.median(free_steps)
+            constrained = statistics.median(constrained_steps)
             row = {"batch": batch, "grammar": name, "free_step_ms": round(free * 1e3, 2),
                    "constrained_step_ms": round(constrained * 1e3, 2),
                    "slower_pct": round((constrained / free - 1) * 100, 1),

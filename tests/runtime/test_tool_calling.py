@@ -1,19 +1,22 @@
 """Tool calling: the request's tools and tool_choice checked and rendered, the Hermes and
 Llama 3 parsers (whole and streamed in any chunking), `required` / named choices enforced by the
 grammar on random weights, and, on SmolLM2-135M-Instruct behind a real server with the official
-openai client, a call, its result and the final answer, a streamed named call, and JSON Schema
-output (the module shares that one server)."""
+openai client, a call, its result and the final answer, a streamed named call, JSON Schema
+output and 16 fuzzed schemas at once (the module shares that one server)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from test_structured_output import SCHEMAS, bound, valid
 from tiny import tiny_engine
 
 from atom.engine import LLMEngine, SamplingParams
@@ -180,13 +183,14 @@ def engine() -> LLMEngine:
     return tiny_engine(max_model_len=512, num_kv_blocks=512, max_num_seqs=16, seed=5)
 
 
-@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES,
+                                 pytest.param(ToolFormat.LLAMA3, marks=pytest.mark.slow)])
 def test_required_and_named_choices_are_enforced(engine: LLMEngine, fmt: ToolFormat) -> None:
     """Random weights, sampled: every output is one valid call and nothing else (parallel calls
     off, or a named function; with parallel calls random weights call on and on), which the
     parser turns into tool_calls."""
     cases = [_tools(fmt, "required", parallel=False), _tools(fmt, "get_time", forced=True)]
-    reqs = [(c, seed) for c in cases for seed in range(3)]
+    reqs = [(c, seed) for c in cases for seed in range(2)]
     for i, (tools, seed) in enumerate(reqs):
         engine.add_request(f"{fmt}{i}", [3, 4, 5], SamplingParams(
             temperature=1.0, seed=seed, max_tokens=200, structured=tools.constraint()))
@@ -287,3 +291,27 @@ def test_real_model_json_schema_output(client) -> None:
                                        max_tokens=5, temperature=0,
                                        extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].text in ("yes", "no")
+
+
+# Batches of 16 schemas the real-model fuzz runs: 1 in CI; ATOM_REAL_FUZZ_BATCHES=32 for 512.
+REAL_FUZZ_BATCHES = int(os.environ.get("ATOM_REAL_FUZZ_BATCHES", "1"))
+
+
+@needs_real
+@settings(max_examples=REAL_FUZZ_BATCHES, deadline=None, derandomize=True, database=None,
+          phases=[Phase.generate])
+@given(st.lists(st.tuples(SCHEMAS, st.integers(0, 2**31)), min_size=16, max_size=16))
+def test_real_model_fuzzed_schemas(client, cases) -> None:
+    """16 fuzzed schemas (test_structured_output's strategy) at once, sampled on the real
+    model: every answer complete and valid."""
+    def ask(case: tuple[dict[str, Any], int]) -> tuple[str, str | None]:
+        schema, seed = case
+        resp = client.completions.create(
+            model=REAL, prompt="Here is a JSON value:", temperature=1.0, seed=seed,
+            max_tokens=bound(schema) + 2, extra_body={"guided_json": schema})
+        return resp.choices[0].text, resp.choices[0].finish_reason
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(ask, cases))
+    for (schema, _), (text, reason) in zip(cases, answers, strict=True):
+        assert reason == "stop" and valid(json.loads(text), schema), (schema, text, reason)
