@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 from atom.compilation.levels import CompilationLevel, CUDAGraphMode, default_capture_sizes  # noqa: F401 - the guide imports them from here
 from atom.lora.config import LoRAConfig
-from atom.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, precision_factors
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +20,9 @@ DEFAULT_SPLITTING_OPS = ["aiter.unified_attention_with_output", "aiter.mla_atten
 CAPTURE_SIZES_KEYWORD = "cudagraph_capture_sizes"
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# --quantization and --kv-cache-dtype (atom.quantization): FP8 weights, an FP8 KV cache.
+QUANTIZATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 ROLES = ("unified", "prefill", "decode")
 
 
@@ -470,7 +472,12 @@ class Config:
             # Shard shapes and collectives are other compiled code: never shared across TP
             # sizes. Left out at 1 so single-GPU caches keep their key.
             out["tensor_parallel_size"] = self.tensor_parallel_size
-        out.update(precision_factors(self.quantization, self.kv_cache_dtype))
+        # FP8 weights and an FP8 cache are other compiled code and other captured kernels;
+        # left out at the defaults so existing caches keep their key.
+        if self.quantization != "none":
+            out["quantization"] = self.quantization
+        if self.kv_cache_dtype != "auto":
+            out["kv_cache_dtype"] = self.kv_cache_dtype
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -107,7 +107,11 @@ ALLOWED = {
     "router": {"wire"},  # torch-free: the router image needs none of the engine
     "wire": set(),  # the torch-free contract: imports no other atom package
     "layers": {"kernels", "compilation", "cudagraph", "distributed", "utils", "config"},
-    "models": {"layers", "kernels", "compilation", "cudagraph", "distributed", "utils", "config"},
+    "models": {"layers", "kernels", "compilation", "cudagraph", "distributed", "utils", "config",
+               "quantization"},
+    # FP8 weights' ops and the KV cache's dtype: beside the layers (the models and the engine
+    # read it; the kernels' FP8 cache storage is below it).
+    "quantization": {"layers", "kernels", "compilation"},
     "compilation": {"config", "distributed", "utils"},
     "cudagraph": {"config", "distributed", "utils"},
     "config": {"compilation"},  # compilation.levels only, checked below
@@ -122,6 +126,7 @@ ALLOWED = {
         "structured",
         "executor",
         "distributed",
+        "quantization",
         "utils",
         "config",
     },

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from atom.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
+from atom.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 ROLES = ("unified", "prefill", "decode")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

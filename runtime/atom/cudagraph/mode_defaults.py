@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atom.compilation.levels import CUDAGraphMode
+from atom.config import CUDAGraphMode
 
 
 @dataclass(frozen=True)

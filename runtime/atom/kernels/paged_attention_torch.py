@@ -3,14 +3,14 @@
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Sequence i owns query rows
 cu_seqlens_q[i]:cu_seqlens_q[i+1] and, after this step's keys are written, context_lens[i]
 keys; its query rows are the last positions of that context (causal within the step).
-An FP8 cache (atom.quantization.kv_cache) holds value / scale: k_scale and v_scale, per tensor.
+An FP8 cache (atom.kernels.fp8_cache) holds value / scale: k_scale and v_scale, per tensor.
 """
 
 from __future__ import annotations
 
 import torch
 
-from atom.quantization.kv_cache import DEFAULT_KV_SCALE, from_cache, scatter_rows, to_cache
+from atom.kernels.fp8_cache import DEFAULT_KV_SCALE, from_cache, scatter_rows, to_cache
 
 
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+from atom.kernels.fp8_cache import FP8_DTYPE, FP8_MAX
+
 # A row of zeros gets this scale rather than 0 (which would divide by zero).
 MIN_SCALE = 1e-12
 

@@ -1,19 +1,11 @@
-"""The FP8 KV cache: its dtype and the per-tensor scales keys and values are stored with.
-
-A cache element is value / scale in float8_e4m3fn (clamped to its range: an overflow would be
-NaN, the format has no infinity); a read multiplies back. The scales are per tensor and 1.0
-unless a checkpoint brings calibrated ones: post-norm, post-rotary keys and values of the
-Llama family sit well inside +-448, where e4m3's relative step (2^-3) is the error, whatever
-the scale (vLLM's default for uncalibrated FP8 KV is the same).
-"""
+"""The KV cache's element type for --kv-cache-dtype (the torch path's FP8 storage is
+atom.kernels.fp8_cache; the Triton kernels branch on the cache's dtype)."""
 
 from __future__ import annotations
 
 import torch
 
-from atom.quantization.fp8 import FP8_DTYPE, FP8_MAX
-
-DEFAULT_KV_SCALE = 1.0
+from atom.kernels.fp8_cache import FP8_DTYPE
 
 
 def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -23,30 +15,3 @@ def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     if kv_cache_dtype == "fp8":
         return FP8_DTYPE
     raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-
-
-def is_fp8(cache: torch.Tensor) -> bool:
-    return cache.dtype == FP8_DTYPE
-
-
-def to_cache(rows: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """rows in the cache's element type (scaled and clamped for FP8)."""
-    if not is_fp8(cache):
-        return rows.to(cache.dtype)
-    return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def from_cache(values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Cache elements as fp32 values."""
-    out = values.float()
-    return out * scale if values.dtype == FP8_DTYPE and scale != 1.0 else out
-
-
-def scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache.view(-1, ...)[slots] = rows, for FP8 too (index_copy_ has no CPU FP8 kernel: the
-    bytes are copied as uint8)."""
-    flat = cache.view(-1, *cache.shape[2:])
-    if is_fp8(cache):
-        flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
-    else:
-        flat.index_copy_(0, slots, rows)
