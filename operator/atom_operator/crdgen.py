@@ -52,6 +52,12 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         else:
             raise ValueError(f"unsupported union in schema: {options}")
     node.pop("title", None)
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        # JSON Schema's numeric exclusive bound (pydantic's gt/lt) is OpenAPI v3's
+        # minimum/maximum plus a boolean, which is all the API server accepts.
+        value = node.get(bound)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            node[limit], node[bound] = value, True
     if node.get("default", 0) is None:
         node.pop("default")
     if node.get("x-kubernetes-preserve-unknown-fields"):
