@@ -63,6 +63,19 @@ class SamplingParams(msgspec.Struct, array_like=True):
     top_logprobs: int = 0  # alternatives returned per token (with logprobs), 0..20
     # Structured output (atom.structured): the grammar the output must follow (None: free).
     structured: StructuredSpec | None = None
+    # Whether a logits processor changes this row's logits (penalties, logit_bias): derived,
+    # set on construction and by validate(), a field so the sampler's per-step check is one
+    # attribute read (a property cost the plain step a microsecond)
+    processed: bool = False
+
+    def __post_init__(self) -> None:
+        self.processed = self._processed()
+
+    def _processed(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     def validate(self, vocab_size: int = 0) -> None:
         """Check every field (SamplingError naming it) and normalise in place: a temperature
@@ -102,6 +115,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
                 "stop_token_ids", f"stop_token_ids must be in [0, {bound}), got {bad[:5]}"
             )
         self._validate_processors(bound)
+        self.processed = self._processed()
 
     def _validate_processors(self, bound: int) -> None:
         for name, v in (("presence_penalty", self.presence_penalty),
@@ -139,14 +153,6 @@ class SamplingParams(msgspec.Struct, array_like=True):
                 "top_logprobs",
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top!r}",
             )
-
-    @property
-    def processed(self) -> bool:
-        """Whether a logits processor changes this row's logits (penalties, logit_bias)."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias
-        )
 
     @property
     def greedy(self) -> bool:
