@@ -47,7 +47,7 @@ def test_triton_attention_on_an_fp8_cache(kind: str) -> None:
     from atom.quantization.fp8 import FP8_DTYPE
 
     q_lens = [1, 1, 1, 1] if kind == "decode" else [19, 5, 1, 333]
-    b = random_paged_batch(q_lens=q_lens, ctx_lens=[1, 16, 1300, 333], num_heads=32,
+    b = random_paged_batch(q_lens=q_lens, ctx_lens=[19, 16, 1300, 333], num_heads=32,
                            num_kv_heads=8, head_dim=128, num_blocks=200, max_blocks=90,
                            dtype=torch.bfloat16, device="cuda", seed=7)
     b.k[:, :8] *= 1000.0  # beyond FP8's range: clamped, never NaN
