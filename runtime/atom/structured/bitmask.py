@@ -28,21 +28,25 @@ class StepMask:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the disallowed tokens of the constrained rows of logits [n, vocab] to -inf, in
         place; returns logits."""
-        mask = self.host
-        rows: list[int] | torch.Tensor | None = self.rows
-        if logits.device.type != "cpu":
-            mask = mask.to(logits.device, non_blocking=True)
-            if self._slot is not None:
-                self._slot.copied(self._turn)
-            # Every row, or the rows from pinned memory: xgrammar would copy a list from
-            # pageable memory, which waits for the stream (and the step launched ahead).
-            rows = None if len(self.rows) == logits.shape[0] else torch.tensor(
-                self.rows, dtype=torch.int32, pin_memory=True).to(logits.device,
-                                                                  non_blocking=True)
-        elif logits.dtype not in CPU_KERNEL_DTYPES:
-            _apply_torch(logits, mask, self.rows, self.vocab_size)
+        if logits.device.type == "cpu":
+            if logits.dtype in CPU_KERNEL_DTYPES:
+                xgr.apply_token_bitmask_inplace(logits, self.host, vocab_size=self.vocab_size,
+                                                indices=self.rows)
+            else:
+                _apply_torch(logits, self.host, self.rows, self.vocab_size)
             return logits
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+            apply_token_bitmask_inplace_triton,
+        )
+
+        mask = self.host.to(logits.device, non_blocking=True)
+        if self._slot is not None:
+            self._slot.copied(self._turn)
+        # Every row, or the rows from pinned memory: xgrammar would copy a list from pageable
+        # memory, which waits for the stream (and the step launched ahead).
+        rows = None if len(self.rows) == logits.shape[0] else torch.tensor(
+            self.rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
+        apply_token_bitmask_inplace_triton(logits, mask, self.vocab_size, rows)
         return logits
 
 
