@@ -103,15 +103,18 @@ async def generate(
     request_id: str,
     outcome: Outcome,
     slot: Slot | None = None,
+    sibling: bool = False,
     **opts: Any,
 ) -> AsyncGenerator[Delta, None]:
-    """opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
+    """sibling: a later choice of an n > 1 request (its prompt is counted once, with the first).
+    opts: CoreClient.add_request options (hold_kv, first_token, kv_pull, cached_tokens)
     for P/D roles. The tokenizer's EOS ids play no part here: the engine applies its own.
     slot: the request's --max-waiting slot, given back at its first token (or its end)."""
     stream = submit(engine, req, request_id, **opts)
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringChecker(req.stop)
-    metrics.prompt_tokens.inc(len(req.prompt_ids))
+    if not sibling:
+        metrics.prompt_tokens.inc(len(req.prompt_ids))
     last_token_at: float | None = None
     completion_tokens = 0
     finish_reason: str | None = None
@@ -242,7 +245,8 @@ class _Choices:
         for i in range(1, req.best_of):
             params = msgspec.structs.replace(req.params, seed=_sibling_seed(req.params.seed, i))
             sib = dataclasses.replace(req, params=params)
-            gen = generate(engine, tokenizer, metrics, sib, f"{request_id}-{i}", Outcome())
+            gen = generate(engine, tokenizer, metrics, sib, f"{request_id}-{i}", Outcome(),
+                           sibling=True)
             self._tasks.append(asyncio.create_task(self._pump(i, gen)))
 
     async def _pump(self, index: int, gen: AsyncGenerator[Delta, None]) -> None:
