@@ -40,14 +40,6 @@ def cluster() -> Iterator[LocalCluster]:
 
     Missing binaries fail the tests with the provisioning message: never a skip.
     """
-    from atom_devtools.devcluster import ClusterError, LocalCluster, ProvisionError
+    from testutil import started_cluster
 
-    try:
-        local = LocalCluster()
-        local.start()
-    except (ProvisionError, ClusterError) as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield local
-    finally:
-        local.stop()
+    yield from started_cluster()

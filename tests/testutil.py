@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from atom_devtools.devcluster.cluster import LocalCluster
 
 T = TypeVar("T")
 
@@ -43,3 +46,25 @@ async def async_wait_for(what: str, check: Callable[[], T], *, timeout: float = 
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
         await asyncio.sleep(interval)
+
+
+def started_cluster(*, addons: tuple[str, ...] = (), **options: bool) -> Iterator[LocalCluster]:
+    """A started LocalCluster(**options) for a fixture to yield from, stopped after. Missing
+    binaries or addons (built in the background by `hack/controlplane install --addons`, waited
+    for here) fail the tests with the provisioning message: never a skip."""
+    import pytest
+
+    from atom_devtools.devcluster import ClusterError, LocalCluster, ProvisionError
+    from atom_devtools.devcluster.addons import wait_installed
+
+    try:
+        for name in addons:
+            wait_installed(name)
+        local = LocalCluster(**options)
+        local.start()
+    except (ProvisionError, ClusterError) as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield local
+    finally:
+        local.stop()
