@@ -31,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "examples/atomdeployment.yaml)")
     parser.add_argument("--kwok", action="store_true", help="kwok nodes only: the operator as a "
                         "local process and the runtime as a local process (no images, no root)")
+    parser.add_argument("--gitops", action="store_true", help="kwok nodes and Flux: a graph-mode "
+                        "change pushed to a local Git repository rolls out, then is reverted")
     parser.add_argument("--namespace", default="atom-demo")
     parser.add_argument(
         "--model", default="tiny-llama", help="built-in shape the CPU runtime serves"
@@ -45,7 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     printer = Printer()
     pids: list[int] = []
     try:
-        if args.kwok:
+        if args.gitops:
+            from atom_devtools.demo_gitops import run as run_gitops
+
+            run_gitops(args, printer, pids)
+        elif args.kwok:
             from atom_devtools.demo_kwok import run
 
             run(args, printer, pids)

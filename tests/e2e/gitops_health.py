@@ -1,8 +1,7 @@
-"""Evaluate the Argo CD (Lua) and Flux (CEL) health checks published in docs/gitops.md.
-
-The checks are read out of the document itself, so the document cannot drift from what the
-tests prove. lupa runs the Lua like Argo CD's gopher-lua; cel-python evaluates the CEL the
-way Flux's kustomize-controller binds it (the object's top-level fields as variables).
+"""The GitOps snippets of docs/gitops.md, read out of the document itself so that it cannot
+drift from what the tests prove: Argo CD's Lua health check (evaluated here with lupa, like
+Argo CD's gopher-lua: Argo CD does not build here) and Flux's GitRepository and Kustomization
+(applied to the real Flux by test_gitops_flux.py).
 """
 
 from __future__ import annotations
@@ -31,16 +30,12 @@ def argo_lua() -> str:
     raise AssertionError(f"docs/gitops.md has no argocd-cm with {ARGO_KEY}")
 
 
-@cache
-def flux_exprs() -> dict[str, str]:
-    for doc in _yaml_blocks():
-        if doc.get("kind") == "Kustomization":
-            for check in doc["spec"].get("healthCheckExprs", []):
-                if check["kind"] == "AtomDeployment" and check["apiVersion"] == "atom.dev/v1alpha1":
-                    return {
-                        k: v for k, v in check.items() if k in ("current", "inProgress", "failed")
-                    }
-    raise AssertionError("docs/gitops.md has no Flux healthCheckExprs for AtomDeployment")
+def flux_manifests() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The GitRepository and the Kustomization docs/gitops.md shows: what
+    tests/e2e/test_gitops_flux.py applies for the real Flux (the demo's reader)."""
+    from atom_devtools.demo_gitops import doc_flux_manifests
+
+    return doc_flux_manifests()
 
 
 def argo_health(obj: dict[str, Any]) -> tuple[str, str]:
@@ -51,28 +46,3 @@ def argo_health(obj: dict[str, Any]) -> tuple[str, str]:
     lua.globals().obj = lua.table_from(obj, recursive=True)
     result = lua.execute(argo_lua())
     return str(result["status"]), str(result["message"])
-
-
-def flux_health(obj: dict[str, Any]) -> str:
-    """Current, InProgress or Failed, in the order Flux's CEL status reader checks them."""
-    import celpy
-
-    env = celpy.Environment()
-    activation = {
-        key: celpy.json_to_cel(obj.get(key, {})) for key in ("metadata", "spec", "status")
-    }
-
-    def holds(name: str) -> bool:
-        expr = flux_exprs().get(name)
-        if expr is None:
-            return False
-        result = env.program(env.compile(expr)).evaluate(activation)
-        if isinstance(result, Exception):
-            raise result
-        return bool(result)
-
-    if holds("failed"):
-        return "Failed"
-    if holds("current"):
-        return "Current"
-    return "InProgress"

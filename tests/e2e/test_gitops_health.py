@@ -1,6 +1,8 @@
-"""The health checks of docs/gitops.md on the status shapes the operator writes.
+"""Argo CD's health check of docs/gitops.md on the status shapes the operator writes.
 
-No cluster needed; tests/e2e/test_examples.py runs the same checks on live objects.
+Argo CD does not build here (no version of gitops-engine passes `go get`), so its Lua runs in
+lupa; Flux's checks run in the real Flux instead (test_gitops_flux.py). No cluster needed;
+tests/e2e/test_examples.py runs the same check on live objects.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("lupa", reason="lupa runs the Argo CD Lua check (pip install lupa)")
-pytest.importorskip("celpy", reason="cel-python runs the Flux CEL check (pip install cel-python)")
 
-from gitops_health import argo_health, flux_health  # noqa: E402
+from gitops_health import argo_health  # noqa: E402
 
 
 def obj(generation: int, status: dict[str, Any] | None) -> dict[str, Any]:
@@ -37,13 +38,12 @@ READY = [
     cond("Degraded", "False"),
 ]
 CASES = {
-    "no status yet": (obj(1, None), "Progressing", "InProgress"),
-    "status without conditions": (obj(1, {"observedGeneration": 1}), "Progressing", "InProgress"),
-    "ready": (obj(3, {"observedGeneration": 3, "conditions": READY}), "Healthy", "Current"),
+    "no status yet": (obj(1, None), "Progressing"),
+    "status without conditions": (obj(1, {"observedGeneration": 1}), "Progressing"),
+    "ready": (obj(3, {"observedGeneration": 3, "conditions": READY}), "Healthy"),
     "new generation not observed": (
         obj(4, {"observedGeneration": 3, "conditions": READY}),
         "Progressing",
-        "InProgress",
     ),
     "rolling out": (
         obj(
@@ -57,12 +57,10 @@ CASES = {
             },
         ),
         "Progressing",
-        "InProgress",
     ),
     "not ready": (
         obj(2, {"observedGeneration": 2, "conditions": [cond("Ready", "False", "Capturing")]}),
         "Progressing",
-        "InProgress",
     ),
     "degraded": (
         obj(
@@ -76,23 +74,16 @@ CASES = {
             },
         ),
         "Degraded",
-        "Failed",
     ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_argo_cd_health(case: str) -> None:
-    manifest, argo, _ = CASES[case]
+    manifest, argo = CASES[case]
     status, message = argo_health(manifest)
     assert status == argo, message
     assert message, "Argo CD shows the message; it should say why"
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_flux_health(case: str) -> None:
-    manifest, _, flux = CASES[case]
-    assert flux_health(manifest) == flux
 
 
 def test_degraded_message_names_the_reason() -> None:
