@@ -352,6 +352,7 @@ class Config:
             if cc.cudagraph_mode != CUDAGraphMode.NONE:
                 logger.info("use_cudagraph=False: cudagraph_mode %s -> NONE", cc.cudagraph_mode)
             cc.cudagraph_mode = CUDAGraphMode.NONE
+            self.graph_mode_by_size = False  # no graphs: nothing for the size table to pick
 
         # Nothing is captured under NONE: sizes are ignored rather than refused (DESIGN.md).
         sizes = [] if cc.cudagraph_mode == CUDAGraphMode.NONE else self._cudagraph_sizes()

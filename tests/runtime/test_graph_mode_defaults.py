@@ -25,7 +25,8 @@ def test_smallest_row_holding_the_size_wins() -> None:
 def test_only_a_defaulted_level3_mode_is_marked() -> None:
     assert Config(model="tiny-llama", device="cpu",
                   compilation_config=CompilationConfig(level=3)).graph_mode_by_size
-    for cc in (CompilationConfig(level=3, cudagraph_mode="FULL"), CompilationConfig(level=0)):
+    for cc in (CompilationConfig(level=3, cudagraph_mode="FULL"), CompilationConfig(level=0),
+               CompilationConfig(level=3, use_cudagraph=False)):
         assert not Config(model="tiny-llama", device="cpu", compilation_config=cc).graph_mode_by_size
     assert "graph_mode_by_size" not in Config(model="tiny-llama", device="cpu").to_dict()
 
