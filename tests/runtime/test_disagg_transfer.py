@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import struct
 from collections.abc import AsyncIterator
 
@@ -117,6 +118,12 @@ def test_handle_round_trip_and_validation() -> None:
         KVHandle.from_dict({**h.to_dict(), "version": 2})
     with pytest.raises(ValueError, match="prompt_token_ids"):
         KVHandle.from_dict({**h.to_dict(), "prompt_token_ids": []})
+    # the first token's alternatives (issue 45): through JSON, as the router relays them
+    h.first_top_logprobs = [(7, -0.5), (3, -1.25)]
+    assert KVHandle.from_dict(json.loads(json.dumps(h.to_dict()))) == h
+    for bad in ([[7]], [["7", -0.5]], [[7, -0.5]] * 21):
+        with pytest.raises(ValueError, match="kv_transfer.first_top_logprobs"):
+            KVHandle.from_dict({**h.to_dict(), "first_top_logprobs": bad})
 
 
 # ---- holds ---------------------------------------------------------------------------------------

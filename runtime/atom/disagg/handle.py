@@ -101,7 +101,7 @@ def _top_pairs(value: list | None) -> list[tuple[int, float]] | None:
     if value is None:
         return None
     ok = len(value) <= 20 and all(
-        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int)
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int)
         and isinstance(p[1], (int, float)) and not isinstance(p[0], bool) for p in value
     )
     if not ok:
