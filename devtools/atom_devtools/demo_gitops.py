@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ import yaml
 from atom_devtools.devcluster import addons
 from atom_devtools.devcluster.fluxrepo import FluxRepo, condition
 from atom_devtools.devcluster.gitserver import Checkout, GitServer
-from atom_devtools.kubectl import ROOT, Kubectl, describe, install_crd
+from atom_devtools.kubectl import ROOT, Kubectl, install_crd
 from atom_devtools.localprocs import LocalOperator
 from atom_devtools.printer import Printer, relative
 
@@ -60,10 +61,13 @@ def _watch(repo: FluxRepo, kubectl: Kubectl, sha: str, name: str, namespace: str
     while True:
         ks = repo.get("kustomization", "models")
         ready = condition(ks, "Ready")
-        obj = kubectl.json("atomd", name, "-n", namespace)
-        line = (f"kustomization models: Ready={ready.get('status', '-')}"
-                f"({ready.get('reason', '')})  atomd/{name}: {describe(obj)} "
-                f"revision={obj.get('status', {}).get('revision', '-')}")
+        got = kubectl("get", "atomd", name, "-n", namespace, "-o", "json", check=False)
+        obj = json.loads(got.stdout) if got.returncode == 0 else None  # not applied yet
+        status = (obj or {}).get("status", {})
+        atomd = (f"{status.get('phase', '-')} {status.get('ready', '-')} "
+                 f"revision {status.get('revision', '-')}" if obj else "not applied yet")
+        line = (f"kustomization models: {ready.get('reason') or '-':<23} "
+                f"atomd/{name}: {atomd}")
         if line != last:
             printer.detail(f"{time.monotonic() - start:5.1f}s  {line}")
             last = line
