@@ -134,3 +134,31 @@ def test_fp8_engine_quantizes_at_load_and_halves_the_cache() -> None:
     out = fp8.generate(prompts, params)
     assert [len(t) for t in out] == [6, 6]
     assert out[0][:3] == plain.generate(prompts, params)[0][:3]
+
+
+def test_fp8_kv_blocks_travel_between_instances() -> None:
+    """P/D: an FP8 cache's layout names its dtype (1 byte an element), and its blocks gather
+    and scatter byte for byte."""
+    from atom.disagg.kv_blocks import (
+        as_bytes,
+        engine_layout,
+        gather_blocks,
+        new_staging,
+        scatter_blocks,
+    )
+    from atom.engine import LLMEngine
+
+    engine = LLMEngine(Config(model="tiny-llama", load_format="dummy", dtype="bfloat16",
+                              device="cpu", num_kv_blocks=32, max_model_len=256,
+                              kv_cache_dtype="fp8"))
+    layout = engine_layout(engine)
+    assert layout.dtype == "float8_e4m3fn" and layout.element_bytes == 1
+    src = engine.runner.kv_cache
+    src.view(torch.uint8).copy_(torch.randint(0, 120, src.shape, dtype=torch.uint8))
+    blocks = gather_blocks(src, [3, 4, 9])
+    staged = new_staging(layout, 3)
+    bytes(as_bytes(staged))  # a flat byte view, as the TCP transport sends
+    staged.copy_(blocks)
+    dst = torch.zeros_like(src)
+    scatter_blocks(dst, [0, 1, 2], staged)
+    assert torch.equal(dst[:, :, :3].view(torch.uint8), src[:, :, [3, 4, 9]].view(torch.uint8))

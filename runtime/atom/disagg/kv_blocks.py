@@ -25,7 +25,7 @@ def engine_layout(engine: Any) -> KVLayout:
     return KVLayout(
         identity=model_identity(cfg.model, cfg.load_format, cfg.seed, hf.to_dict()),
         model=str(cfg.served_model_name or cfg.model),
-        dtype=dtype_name(engine.runner.dtype),
+        dtype=dtype_name(engine.runner.kv_dtype),  # the cache's (fp8 under --kv-cache-dtype)
         block_size=int(cfg.block_size),
         num_layers=int(hf.num_hidden_layers),
         num_kv_heads=int(hf.num_key_value_heads),

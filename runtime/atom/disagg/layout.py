@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 # Bytes per element of the KV cache dtypes the runtime allocates.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8: --kv-cache-dtype fp8
 
 
 def model_identity(model: str, load_format: str, seed: int, hf_config: dict[str, Any]) -> str:
