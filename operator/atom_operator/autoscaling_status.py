@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from atom_operator import naming, runtime_args
-from atom_operator.builders.autoscaling import SCALED_OBJECT_API, hpa_name, scaled_roles
+from atom_operator.builders.autoscaling import (
+    SCALED_OBJECT_API,
+    hpa_name,
+    scaled_object_name,
+    scaled_roles,
+)
 from atom_operator.snapshot import Snapshot
 from atom_operator.spec import AtomDeploymentSpec
 
@@ -32,6 +37,16 @@ def desired_replicas(
         if dep is not None and "replicas" in (dep.get("spec") or {}):
             return int(dep["spec"]["replicas"])
     return runtime_args.role_replicas(spec, role)
+
+
+def _keda_refusal(snap: Snapshot, name: str) -> tuple[str, str] | None:
+    """(reason, message) of the ScaledObject's Ready=False, as KEDA wrote it."""
+    so = next((o for o in snap.scaled_objects if o["metadata"]["name"] == name), None)
+    conds = ((so or {}).get("status") or {}).get("conditions") or []
+    ready = next((c for c in conds if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "False":
+        return None
+    return ready.get("reason") or "ScaledObjectNotReady", ready.get("message", "")
 
 
 def _hpa_condition(hpa: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -59,6 +74,9 @@ def autoscaling_condition(
         name = hpa_name(instance, role)
         hpa = find_hpa(snap, name)
         if hpa is None:
+            refused = _keda_refusal(snap, scaled_object_name(instance, role))
+            if refused is not None:
+                return "False", refused[0], f"{role}: ScaledObject: {refused[1]}"[:500]
             return ("False", "WaitingForHPA", f"{role}: KEDA has not created the "
                     f"HorizontalPodAutoscaler {name} yet (is KEDA's operator running?)")
         active = _hpa_condition(hpa, "ScalingActive")

@@ -56,6 +56,15 @@ AUTOSCALING_RULES = (
         "fieldPath": ".autoscaling",
         "reason": "FieldValueForbidden",
     },
+    {
+        # The API server's scale subresource fails while its specReplicasPath is unset, and
+        # KEDA then creates no HPA.
+        "rule": "!has(self.autoscaling) || has(self.replicas)",
+        "message": "spec.autoscaling needs spec.replicas (the pods until the HPA acts): KEDA "
+        "and the HPA scale through the scale subresource, which reads it",
+        "fieldPath": ".replicas",
+        "reason": "FieldValueRequired",
+    },
 )
 
 

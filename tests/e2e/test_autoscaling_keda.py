@@ -160,15 +160,18 @@ def test_keda_scales_the_atomdeployment_on_queue_depth(operator, kubectl, kube: 
 
 
 def test_cel_rules_on_the_api_server(operator, kubectl) -> None:
-    bad_range = {"model": {"name": "m"}, "autoscaling": {
+    bad_range = {"model": {"name": "m"}, "replicas": 1, "autoscaling": {
         "minReplicas": 3, "maxReplicas": 2, "target": 1}}  # fmt: skip
-    bad_kv = {"model": {"name": "m"}, "autoscaling": {
+    bad_kv = {"model": {"name": "m"}, "replicas": 1, "autoscaling": {
         "maxReplicas": 2, "metric": "kvCacheUsage", "target": 1.5}}  # fmt: skip
     both = {"model": {"name": "m"}, "autoscaling": {"maxReplicas": 2, "target": 1},
             "disaggregation": {"prefill": {}, "decode": {}}}  # fmt: skip
+    # Without spec.replicas the scale subresource fails, and KEDA would create no HPA.
+    no_replicas = {"model": {"name": "m"}, "autoscaling": {"maxReplicas": 2, "target": 1}}
     for body, expect in ((bad_range, "minReplicas must be at most"),
                          (bad_kv, "fraction of the KV"),
-                         (both, "disaggregation.prefill.autoscaling")):  # fmt: skip
+                         (both, "disaggregation.prefill.autoscaling"),
+                         (no_replicas, "spec.autoscaling needs spec.replicas")):  # fmt: skip
         got = kubectl.apply(atomd("bad", NS, body), "--dry-run=server", check=False)
         assert got.returncode != 0 and expect in got.stderr, got.stderr
 
@@ -177,7 +180,7 @@ def test_without_keda_crds_a_condition_says_so(operator, kubectl, kube: Kube) ->
     kubectl("delete", "crd", "scaledobjects.keda.sh")
     wait_for("ScaledObject no longer served", lambda: kubectl(
         "get", "scaledobjects", "-n", NS, check=False).returncode != 0, timeout=30)
-    spec = {"model": {"name": "m", "loadFormat": "dummy"}, "device": "cpu",
+    spec = {"model": {"name": "m", "loadFormat": "dummy"}, "device": "cpu", "replicas": 1,
             "compileCache": {"enabled": False},
             "autoscaling": {"maxReplicas": 2, "target": 4}}  # fmt: skip
     kubectl.apply(atomd("nokeda", NS, spec))

@@ -60,6 +60,7 @@ def test_unified_scaled_object_aims_at_the_scale_subresource() -> None:
     assert meta["aggregateFromKubeServiceEndpoints"] == "true"
     assert meta["aggregationType"] == "sum"
     assert meta["targetValue"] == "2"
+    assert meta["timeout"] == "10s"
     # The unified Deployment keeps following spec.replicas (the HPA writes that).
     (dep,) = _kind(builders.plan(OWNER, s, IMAGE, Snapshot()).apply, "Deployment")
     assert dep["spec"]["replicas"] == 2
@@ -150,6 +151,16 @@ def test_hpa_that_cannot_read_its_metric_is_reported() -> None:
     assert (cond["status"], cond["reason"]) == ("False", "FailedGetExternalMetric")
     waiting = _conditions(_status(s, Snapshot()))["AutoscalingReady"]
     assert waiting["reason"] == "WaitingForHPA"
+    # No HPA because KEDA refused the ScaledObject: its reason and message.
+    refused = {
+        "metadata": {"name": scaled_object_name("demo", naming.UNIFIED)},
+        "status": {"conditions": [{"type": "Ready", "status": "False",
+                                   "reason": "ScaledObjectCheckFailed",
+                                   "message": "the spec replicas field does not exist"}]},
+    }  # fmt: skip
+    cond = _conditions(_status(s, Snapshot(scaled_objects=[refused])))["AutoscalingReady"]
+    assert (cond["status"], cond["reason"]) == ("False", "ScaledObjectCheckFailed")
+    assert "spec replicas field" in cond["message"]
 
 
 def test_inference_pool_selects_the_serving_pods() -> None:

@@ -26,6 +26,7 @@ SCALED_OBJECT_API = "keda.sh/v1alpha1"
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 # KEDA names the HPA it creates for a ScaledObject this way (unless told otherwise).
 HPA_PREFIX = "keda-hpa-"
+METRICS_TIMEOUT = "10s"  # per scrape of one pod's /metrics
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ def build_scaled_object(
                         "targetValue": _number(policy.target),
                         "aggregateFromKubeServiceEndpoints": "true",
                         "aggregationType": source.aggregation,
+                        # KEDA's default is 3 s; a CPU pod busy with the spike took 1-2 s to
+                        # answer /metrics on a loaded machine.
+                        "timeout": METRICS_TIMEOUT,
                     },
                 }
             ],
