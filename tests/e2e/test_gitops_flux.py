@@ -60,7 +60,7 @@ def flux(cluster) -> Iterator[Flux]:
         addons.wait_installed("flux")
     except addons.AddonError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with running(cluster) as flux:
+    with running(cluster.kubeconfig) as flux:
         procs = list(flux.procs)
         yield flux
     # torn down with nothing left: no controller process, no working directory

@@ -108,13 +108,16 @@ ALLOWED = {
     "wire": set(),  # the torch-free contract: imports no other atom package
     "layers": {"kernels", "compilation", "cudagraph", "distributed", "utils", "config"},
     "models": {"layers", "kernels", "compilation", "cudagraph", "distributed", "utils", "config",
-               "quantization"},
+               "quantization", "lora"},
+    # Adapters' static buffers and their batched delta: a leaf the config, the model and the
+    # engine read (no engine type in it, so the model can hold its buffers).
+    "lora": set(),
     # FP8 weights' ops and the KV cache's dtype: beside the layers (the models and the engine
     # read it; the kernels' FP8 cache storage is below it).
     "quantization": {"layers", "kernels", "compilation"},
     "compilation": {"config", "distributed", "utils"},
     "cudagraph": {"config", "distributed", "utils"},
-    "config": {"compilation"},  # compilation.levels only, checked below
+    "config": {"compilation", "lora"},  # compilation.levels and lora.config only
     "engine": {
         "models",
         "layers",
@@ -127,6 +130,7 @@ ALLOWED = {
         "executor",
         "distributed",
         "quantization",
+        "lora",
         "utils",
         "config",
     },

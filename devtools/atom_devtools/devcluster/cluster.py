@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from .errors import ClusterError, ProvisionError
 from .flux import FLUX, Flux
 from .keda import PORTS as KEDA_PORTS
 from .keda import KedaAddon
-from .procs import Process, stop_all
+from .procs import Process, free_ports, stop_all
 from .provision import require
 from .realnode import NODE_NAME, RealNode, require_root
 
@@ -35,20 +34,6 @@ POD_CIDR = "10.244.0.0/16"
 class KubectlError(subprocess.CalledProcessError):
     def __str__(self) -> str:
         return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports on 127.0.0.1 (all held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _sa_key(path: Path) -> None:

@@ -1,6 +1,6 @@
 """Flux on the local cluster: source-controller and kustomize-controller built from their Go
 modules into the cache (an addon: addons.py), and run as host processes against the local API
-server (`LocalCluster(flux=True)`, or `running(cluster)` on a cluster already up).
+server (`LocalCluster(flux=True)`, or `running(kubeconfig)` on a cluster already up).
 
 Both controllers' go.mod files replace their `api` module with a local path, so `go install`
 refuses them; a wrapper module requires both and repeats their other (versioned) replaces,
@@ -21,16 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import cache, gotool, versions
 from .api import probe_http
 from .build import publish, write_wrapper
 from .errors import ClusterError, ProvisionError
-from .procs import Process, stop_all
-
-if TYPE_CHECKING:
-    from .cluster import LocalCluster
+from .procs import Process, free_ports, stop_all
 
 CONTROLLERS = {
     "source-controller": "github.com/fluxcd/source-controller",
@@ -126,7 +122,6 @@ class Flux:
         self._kubectl("create", "namespace", NAMESPACE, check=False)
         self._kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f",
                       str(crds_dir()))
-        from .cluster import free_ports  # cluster imports this module
 
         storage, *ports = free_ports(5)
         tmp = self.workdir / "tmp"
@@ -181,10 +176,10 @@ class Flux:
 
 
 @contextlib.contextmanager
-def running(cluster: LocalCluster) -> Iterator[Flux]:
-    """Flux on a cluster that is already up, stopped (its directory removed) on exit; the CRDs
-    stay, like any CRD the cluster holds."""
-    flux = Flux(cluster.kubeconfig, Path(tempfile.mkdtemp(prefix="atom-flux-")))
+def running(kubeconfig: str) -> Iterator[Flux]:
+    """Flux on a cluster that is already up (its kubeconfig), stopped (its directory removed) on
+    exit; the CRDs stay, like any CRD the cluster holds."""
+    flux = Flux(kubeconfig, Path(tempfile.mkdtemp(prefix="atom-flux-")))
     try:
         flux.start()
         yield flux

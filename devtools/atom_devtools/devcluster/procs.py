@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -94,3 +95,16 @@ def stop_all(procs: list[Process], grace: float = 10.0) -> None:
         if not proc.wait(max(0.0, deadline - time.monotonic())):
             proc.signal(signal.SIGKILL)
             proc.wait(5)
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports on 127.0.0.1 (all held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

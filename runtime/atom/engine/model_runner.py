@@ -139,7 +139,7 @@ class ModelRunner:
         # LoRA path at all. A drafter runs the base model.
         self.lora: LoRAManager | None = None
         if config.lora_config is not None and not is_draft:
-            from atom.lora.attach import attach_lora
+            from atom.engine.lora_attach import attach_lora
 
             self.lora = attach_lora(self.model, config.lora_config, self.max_num_rows,
                                     self.dtype, self.device)

@@ -131,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Multi-LoRA (atom.lora.attach sets it): the projections run unfused, each plus its
+        # Multi-LoRA (atom.engine.lora_attach sets it): the projections run unfused, each plus its
         # rows' adapter update. None: the fused path below, untouched.
         self.lora: LoRALayer | None = None
         # --quantization fp8: the projections' FP8 weights, filled by quantize_weights once
@@ -200,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
                       hidden: torch.Tensor) -> torch.Tensor:
         """forward's math with each projection's LoRA delta added to its output (before the
         SiLU gate for gate/up): the norms and projections as separate ops, since the delta
-        needs each projection's input (one rank only: atom.lora.attach)."""
+        needs each projection's input (one rank only: atom.engine.lora_attach)."""
         attn, mlp = self.self_attn, self.mlp
         x = self.input_layernorm(hidden)
         qkv = linear_add(x, attn.qkv_proj, None) + lora.delta("qkv", x)
