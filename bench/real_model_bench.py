@@ -22,6 +22,7 @@ to bf16 at load), four measurements in one run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -87,11 +88,23 @@ def sync(device: str) -> None:
 def engine(args: argparse.Namespace, level: int, mode: str, **kw: Any) -> LLMEngine:
     cc = CompilationConfig(level=level, cudagraph_mode=mode, cache_dir=args.cache_dir,
                            cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+    # A fixed KV pool: engines made one after another in this process would each size theirs
+    # from the memory left free by the ones before (CUDA graphs' pools outlive `del`).
+    kw.setdefault("num_kv_blocks", args.kv_blocks)
     cfg = Config(model=args.gguf, dtype=args.dtype, device=args.device, max_model_len=2048,
                  max_num_seqs=64, compilation_config=cc, seed=0, **kw)
     e = LLMEngine(cfg)
     e.warmup()
     return e
+
+
+def release(e: LLMEngine) -> None:
+    """Give an engine's memory back before the next one is made."""
+    e.shutdown()
+    del e
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def chat_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -157,9 +170,7 @@ def parity(args: argparse.Namespace, tok: Any, prompts: list[list[int]], hf32: A
             "first_answer": tok.decode(outs[0]),
         })
         print(rows[-1], flush=True)
-        del e
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        release(e)
     return rows
 
 
@@ -186,6 +197,7 @@ def decode(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
         out[f"batch_{batch}"] = {"decode_tok_s": round(batch * (args.decode_tokens - 1) / (tn - t1), 1),
                                  "step_ms": round((tn - t1) / (args.decode_tokens - 1) * 1e3, 3)}
         print(batch, out[f"batch_{batch}"], flush=True)
+    release(e)
     return out
 
 
@@ -222,7 +234,7 @@ def spec(args: argparse.Namespace, tok: Any) -> dict[str, Any]:
             print(name, batch, row, flush=True)
         if name == "none":
             res["answer_sample"] = tok.decode(reference[args.spec_batches[0]][0])[:400]
-        del e
+        release(e)
     return res
 
 
@@ -246,7 +258,7 @@ def chat(args: argparse.Namespace, tok: Any) -> dict[str, Any]:
             "prefix_cache_hit_rate": st.get("prefix_cache_hit_rate"),
         }
         print(caching, res["on" if caching else "off"], flush=True)
-        del e
+        release(e)
     res["last_turn_ttft_ratio_off_over_on"] = round(
         res["off"]["ttft_ms_per_turn"][-1] / res["on"]["ttft_ms_per_turn"][-1], 3)
     res["transcript_tail"] = messages[-1]["content"][:400]
@@ -262,6 +274,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["parity", "decode", "spec", "chat"],
                     choices=["parity", "decode", "spec", "chat"])
     ap.add_argument("--level", type=int, default=3, help="the decode, spec and chat engines' level")
+    ap.add_argument("--kv-blocks", type=int, default=4096, help="each engine's KV pool (blocks)")
     ap.add_argument("--parity-tokens", type=int, default=32)
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--decode-tokens", type=int, default=129)
