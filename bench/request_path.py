@@ -134,7 +134,7 @@ class RequestPath:
         import orjson
 
         from atom.entrypoints.core import messages as msgs
-        from atom.entrypoints.core.client import RequestStream
+        from atom.entrypoints.core.stream import RequestStream
         from atom.entrypoints.generation import Delta
         from atom.entrypoints.openai_format import OpenAIFormatter, dumps, sse
         from atom.entrypoints.protocol import completion_request

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from atom.disagg.handle import KVHandle
 from atom.engine.params import SamplingParams
 from atom.entrypoints.core import messages as m
-from atom.entrypoints.core.client import EngineDead, RequestStream
+from atom.entrypoints.core.client import EngineDead
+from atom.entrypoints.core.stream import RequestStream
 from atom.entrypoints.metrics import LATENCY_BUCKETS, FastHistogram
 from atom.entrypoints.openai_format import sse
 from atom.wire.errors import error_body
