@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from realnode_helpers import NAMESPACE
+from realnode_helpers import NAMESPACE, running_real_cluster
 
 from atom_devtools.kubectl import Kubectl
 
@@ -39,24 +38,7 @@ def real_images() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def real_cluster(real_images: dict[str, Any]) -> Iterator[Any]:
-    from atom_devtools.devcluster import ClusterError, LocalCluster, ProvisionError
-    from atom_devtools.devcluster.realnode import leftovers
-
-    cluster = LocalCluster(real_node=True)
-    try:
-        cluster.start()
-        for image in real_images.values():
-            cluster.node.import_image(image.layout, image.ref)
-    except (ProvisionError, ClusterError) as exc:
-        cluster.stop()
-        pytest.fail(str(exc), pytrace=False)
-    node_dir = cluster.dir
-    pids = [p.popen.pid for p in cluster.procs if p.popen is not None]
-    yield cluster
-    cluster.stop()
-    left = leftovers(node_dir)
-    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
-    assert not left and not alive, f"the real node left {left}, processes {alive}"
+    yield from running_real_cluster(real_images)
 
 
 @pytest.fixture(scope="session")

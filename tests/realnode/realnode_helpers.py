@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,28 @@ def status_of(pod: dict[str, Any]) -> dict[str, Any]:
     code, body = http_json(f"http://{pod['status']['podIP']}:8000/status")
     assert code == 200, body
     return body
+
+
+def running_real_cluster(images: dict[str, Any], **options: bool) -> Iterator[Any]:
+    """A LocalCluster(real_node=True, **options) with `images` imported, for a fixture to yield
+    from; stopped after, and the host must be left clean (no leftover, no process)."""
+    import pytest
+
+    from atom_devtools.devcluster import ClusterError, LocalCluster, ProvisionError
+    from atom_devtools.devcluster.realnode import leftovers
+
+    cluster = LocalCluster(real_node=True, **options)
+    try:
+        cluster.start()
+        for image in images.values():
+            cluster.node.import_image(image.layout, image.ref)
+    except (ProvisionError, ClusterError) as exc:
+        cluster.stop()
+        pytest.fail(str(exc), pytrace=False)
+    node_dir = cluster.dir
+    pids = [p.popen.pid for p in cluster.procs if p.popen is not None]
+    yield cluster
+    cluster.stop()
+    left = leftovers(node_dir)
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert not left and not alive, f"the real node left {left}, processes {alive}"
