@@ -151,16 +151,6 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Level", "type": "integer", "jsonPath": ".spec.compilation.level"},
                         {"name": "Mode", "type": "string", "jsonPath": ".status.graphMode"},
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-                        {
-                            "name": "Current",
-                            "type": "string",
-                            "jsonPath": ".status.currentReplicas",
-                        },
-                        {
-                            "name": "Desired",
-                            "type": "string",
-                            "jsonPath": ".status.desiredReplicas",
-                        },
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {
                             "name": "Reason",
@@ -168,12 +158,25 @@ def build_crd() -> dict[str, Any]:
                             "jsonPath": '.status.conditions[?(@.type=="Degraded")].reason',
                         },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                        # -o wide only: TP is 1 for most objects, the default view stays short.
+                        # -o wide only: TP is 1 for most objects and the replica counts matter
+                        # with autoscaling alone, so the default view stays short.
                         {
                             "name": "TP",
                             "type": "string",
                             "priority": 1,
                             "jsonPath": ".status.tensorParallel",
+                        },
+                        {
+                            "name": "Current",
+                            "type": "string",
+                            "priority": 1,
+                            "jsonPath": ".status.currentReplicas",
+                        },
+                        {
+                            "name": "Desired",
+                            "type": "string",
+                            "priority": 1,
+                            "jsonPath": ".status.desiredReplicas",
                         },
                     ],
                 }

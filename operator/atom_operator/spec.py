@@ -47,25 +47,7 @@ KV_TRANSPORTS: tuple[str, ...] = KVTransport.__args__  # type: ignore[attr-defin
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 # Volume sources that reach the node itself (files, host binaries, git on the host).
 HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
-# Autoscaling of the unified role and of disaggregated roles are separate fields.
-AUTOSCALING_RULES = (
-    {
-        "rule": "!has(self.autoscaling) || !has(self.disaggregation)",
-        "message": "spec.autoscaling scales the unified role: with disaggregation set "
-        "disaggregation.prefill.autoscaling and disaggregation.decode.autoscaling instead",
-        "fieldPath": ".autoscaling",
-        "reason": "FieldValueForbidden",
-    },
-    {
-        # The API server's scale subresource fails while its specReplicasPath is unset, and
-        # KEDA then creates no HPA.
-        "rule": "!has(self.autoscaling) || has(self.replicas)",
-        "message": "spec.autoscaling needs spec.replicas (the pods until the HPA acts): KEDA "
-        "and the HPA scale through the scale subresource, which reads it",
-        "fieldPath": ".replicas",
-        "reason": "FieldValueRequired",
-    },
-)
+
 
 
 def _quantities(kind: str) -> dict[str, Any]:
@@ -456,7 +438,7 @@ class AtomDeploymentSpec(CamelModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {**rule} for rule in (*spec_rules(), *AUTOSCALING_RULES)
+                {**rule} for rule in spec_rules()
             ]
         }
     )

@@ -234,6 +234,7 @@ class _Choices:
         self._gate = asyncio.Event()
         # A decode instance reports the first token before it has placed the pulled blocks.
         self._gate_tokens = 2 if opts.get("first_token") is not None else 1
+        self._lora_name: str | None = opts.get("lora_name")  # every choice runs its adapter
         first = generate(engine, tokenizer, metrics, req, request_id, outcome, slot, **opts)
         self._tasks = [asyncio.create_task(self._pump(0, first))]
         self._tasks.append(asyncio.create_task(self._siblings(engine, tokenizer, metrics, req,
@@ -246,7 +247,7 @@ class _Choices:
             params = msgspec.structs.replace(req.params, seed=_sibling_seed(req.params.seed, i))
             sib = dataclasses.replace(req, params=params)
             gen = generate(engine, tokenizer, metrics, sib, f"{request_id}-{i}", Outcome(),
-                           sibling=True)
+                           sibling=True, lora_name=self._lora_name)
             self._tasks.append(asyncio.create_task(self._pump(i, gen)))
 
     async def _pump(self, index: int, gen: AsyncGenerator[Delta, None]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from xgrammar import structural_tag as st
 
-from atom.entrypoints.structured_request import check_schema
+from atom.entrypoints.json_schema_check import check_schema
 from atom.structured.spec import StructuredKind, StructuredSpec
 from atom.tokenizer import BaseTokenizer
 from atom.wire.api_error import bad_request
