@@ -146,8 +146,10 @@ def test_keda_scales_the_atomdeployment_on_queue_depth(operator, kubectl, kube: 
         auto = condition(obj, "AutoscalingReady")
         assert auto["status"] == "True", auto
         assert condition(obj, "InferencePoolReady")["status"] == "True"
-        columns = kubectl("get", "atomd", NAME, "-n", NS).stdout.split("\n")[0].split()
-        assert columns[:5] == ["NAME", "LEVEL", "MODE", "READY", "CURRENT"], columns
+        # the replica columns are in the wide view (the default view stays short)
+        wide = kubectl("get", "atomd", NAME, "-n", NS, "-o", "wide").stdout.split("\n")
+        assert wide[0].split()[-2:] == ["CURRENT", "DESIRED"], wide
+        assert wide[1].split()[-2:] == ["3", "3"], wide
 
         # The queue drains: back to minReplicas.
         stand_in.waiting = 0

@@ -38,10 +38,11 @@ def test_names_subresources_and_columns() -> None:
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == [
-        "Level", "Mode", "Ready", "Current", "Desired", "Phase", "Reason", "Age", "TP"
+        "Level", "Mode", "Ready", "Phase", "Reason", "Age", "TP", "Current", "Desired"
     ]
-    assert version["additionalPrinterColumns"][8]["priority"] == 1  # -o wide
-    reason = version["additionalPrinterColumns"][6]
+    # -o wide only: TP and the autoscaled replica counts
+    assert [c.get("priority", 0) for c in version["additionalPrinterColumns"]][5:] == [0, 1, 1, 1]
+    reason = version["additionalPrinterColumns"][4]
     assert reason["jsonPath"] == '.status.conditions[?(@.type=="Degraded")].reason'
 
 

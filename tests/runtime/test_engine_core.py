@@ -375,7 +375,7 @@ def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hol
     from types import SimpleNamespace
 
     from atom.disagg.holds import HoldCap, HoldCapExceeded
-    from atom.engine.params import SamplingParams
+    from atom.engine.params import RequestOutput, SamplingParams
     from atom.entrypoints.core.engine_core import CoreEndpoints, EngineCore
     from atom.entrypoints.core.messages import AddRequest, encoder
     from atom.wire.trust import TransferKeys
@@ -405,7 +405,7 @@ def test_prefill_holds_reserve_in_the_core_and_a_cancelled_handler_drops_its_hol
     assert core.kv.service.cap.refused == 1 and core._stats_due
     with pytest.raises(HoldCapExceeded):
         core.kv.service.reserve(1)
-    done = SimpleNamespace(
+    done = RequestOutput(
         request_id="a", finished=True, new_token_ids=[1], new_logprobs=None,
         finish_reason="length", num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=2,
     )  # fmt: skip

@@ -24,3 +24,8 @@ def tiny_engine(*, warmup: bool = True, **kw: object) -> LLMEngine:
     if warmup:
         engine.warmup()
     return engine
+
+
+def tiny_tokens(n: int, seed: int = 0) -> list[int]:
+    """n deterministic prompt ids inside the tiny vocabulary (3..252), different per seed."""
+    return [(seed * 31 + 7 * j) % 250 + 3 for j in range(n)]

@@ -75,7 +75,8 @@ class StepRows:
             [s.block_table for s in seqs],
             [s.pending_src for s in seqs],
             [s.samples for s in seqs],
-            [s.lora_slot for s in seqs],
+            # one spelling of "no adapter": empty, as a worker's step carries it
+            [s.lora_slot for s in seqs] if any(s.lora_slot for s in seqs) else [],
         )
 
     def seq_rows(self) -> list[SeqRows]:
