@@ -82,3 +82,14 @@ def running_real_cluster(images: dict[str, Any], **options: bool) -> Iterator[An
     left = leftovers(node_dir)
     alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
     assert not left and not alive, f"the real node left {left}, processes {alive}"
+
+
+def chart_operator(cluster: Any, images: dict[str, Any]) -> Kubectl:
+    """kubectl on a real-node cluster of a module's own, once the operator is installed there
+    by its chart (as a real pod) and NAMESPACE exists."""
+    from atom_devtools.demo_real import helm_install
+
+    kubectl = Kubectl(cluster.env())
+    helm_install(kubectl, images, timeout=300)
+    kubectl("create", "namespace", NAMESPACE, check=False)
+    return kubectl
