@@ -187,22 +187,22 @@ def cpu_graph_rules() -> list[dict[str, str]]:
 def autoscaling_rules() -> list[dict[str, str]]:
     """Autoscaling of the unified role and of disaggregated roles are separate fields."""
     return [
-    {
-        "rule": "!has(self.autoscaling) || !has(self.disaggregation)",
-        "message": "spec.autoscaling scales the unified role: with disaggregation set "
-        "disaggregation.prefill.autoscaling and disaggregation.decode.autoscaling instead",
-        "fieldPath": ".autoscaling",
-        "reason": "FieldValueForbidden",
-    },
-    {
-        # The API server's scale subresource fails while its specReplicasPath is unset, and
-        # KEDA then creates no HPA.
-        "rule": "!has(self.autoscaling) || has(self.replicas)",
-        "message": "spec.autoscaling needs spec.replicas (the pods until the HPA acts): KEDA "
-        "and the HPA scale through the scale subresource, which reads it",
-        "fieldPath": ".replicas",
-        "reason": "FieldValueRequired",
-    },
+        {
+            "rule": "!has(self.autoscaling) || !has(self.disaggregation)",
+            "message": "spec.autoscaling scales the unified role: with disaggregation set "
+            "disaggregation.prefill.autoscaling and disaggregation.decode.autoscaling instead",
+            "fieldPath": ".autoscaling",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            # The API server's scale subresource fails while its specReplicasPath is unset, and
+            # KEDA then creates no HPA.
+            "rule": "!has(self.autoscaling) || has(self.replicas)",
+            "message": "spec.autoscaling needs spec.replicas (the pods until the HPA acts): KEDA "
+            "and the HPA scale through the scale subresource, which reads it",
+            "fieldPath": ".replicas",
+            "reason": "FieldValueRequired",
+        },
     ]
 
 

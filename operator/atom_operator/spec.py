@@ -49,7 +49,6 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 HOST_VOLUME_TYPES = ("hostPath", "flexVolume", "gitRepo")
 
 
-
 def _quantities(kind: str) -> dict[str, Any]:
     return {
         "type": "object",
