@@ -551,9 +551,12 @@ def test_engine_failure_mid_stream_reports_error_and_exits_1() -> None:
             r = await client.post(base + "/v1/completions", json=body)
             events = [e for e in r.text.split("\n\n") if e]
             assert events[-1] == "data: [DONE]"
-            assert (
-                json.loads(events[0][len("data: ") :])["choices"][0]["text"] == "H"
-            )  # streamed first
+            # the tokens before the failure were streamed first; the server may coalesce
+            # tokens that were ready together into one chunk, so compare the joined text
+            streamed = "".join(
+                json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-2]
+            )
+            assert streamed and SCRIPT[:3].startswith(streamed), streamed
             err = json.loads(events[-2][len("data: ") :])["error"]
             assert err["code"] == "engine_unavailable" and "device lost" in err["message"]
 

@@ -9,6 +9,7 @@ handlers produced, so /metrics counts 4xx and 5xx as well as 200s.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -51,7 +52,18 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         return APIError(exc.status, exc.reason, code=str(exc.status)).response()
-    except Exception as exc:  # a bug: say so in JSON, keep the server up (CancelledError passes)
-        logger.exception("%s %s failed", request.method, request.path)
-        name = type(exc).__name__
-        return APIError(500, f"internal error ({name})", code="internal_error").response()
+    except Exception as exc:  # a bug: say so in JSON, keep the server up
+        return _internal_error(request, exc)
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise  # our handler was cancelled: the client left, or the server is stopping
+        # A cancellation that leaked out of something awaited (a cancelled future): aiohttp
+        # would drop the connection without a word; the client gets a 500 and the log the trace.
+        return _internal_error(request, exc)
+
+
+def _internal_error(request: web.Request, exc: BaseException) -> web.StreamResponse:
+    logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+    name = type(exc).__name__
+    return APIError(500, f"internal error ({name})", code="internal_error").response()
