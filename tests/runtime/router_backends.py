@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from atom.entrypoints.kv_release import RELEASE_PATH
+from atom.router.pool import Instance
 from atom.router.proxy import ROUTER_KEY, Router, RouterSettings, create_router_app
 from testutil import async_wait_for
 
@@ -154,9 +155,13 @@ class Env:
 
     def healthy(self, backend: Backend) -> bool | None:
         """The router's verdict on the backend: None until a probe has answered."""
+        return self.instance(backend).healthy
+
+    def instance(self, backend: Backend) -> Instance:
+        """The router's Instance for the backend."""
         assert self.router is not None
         url = self.urls[backend]
-        return next(i.healthy for pool in self.router.pools.values()
+        return next(i for pool in self.router.pools.values()
                     for i in pool.instances.values() if i.url == url)
 
     async def until_known(self, role: str, count: int) -> None:
@@ -215,3 +220,17 @@ def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 
 async def complete(c: httpx.AsyncClient, router: str, **body: Any) -> httpx.Response:
     return await c.post(router + "/v1/completions", json={"model": "m", "prompt": "x", **body})
+
+
+def record_failures(env: Env, backend: Backend) -> list[str]:
+    """Every reason the router takes the backend out of rotation for, from now on (a later
+    probe may put it back before a test looks at `healthy`)."""
+    inst, reasons = env.instance(backend), []
+    failed = inst.failed
+
+    def recording(reason: str, slow: bool = False) -> None:
+        reasons.append(reason)
+        failed(reason, slow)
+
+    inst.failed = recording  # type: ignore[method-assign]
+    return reasons

@@ -12,7 +12,16 @@ import logging
 
 import httpx
 import pytest
-from router_backends import FAST, TOKEN, Backend, Env, complete, samples, with_router
+from router_backends import (
+    FAST,
+    TOKEN,
+    Backend,
+    Env,
+    complete,
+    record_failures,
+    samples,
+    with_router,
+)
 
 from atom.router.proxy import RouterSettings, create_router_app
 from testutil import async_wait_for
@@ -186,11 +195,17 @@ def test_a_prefill_at_its_hold_cap_holds_requests_until_room_is_freed() -> None:
     p, d = Backend("p"), Backend("d")
 
     async def check(router: str, env: Env) -> None:
+        failed = record_failures(env, p)
         async with httpx.AsyncClient(timeout=30) as c:
             p.prefill_error, p.prefill_errors = HOLD_CAP, 5
             rs = await asyncio.gather(*(complete(c, router) for _ in range(20)))
             assert [r.status_code for r in rs] == [200] * 20
-            assert p.prefill_errors == 0 and env.healthy(p) is True  # refused, still in rotation
+            assert p.prefill_errors == 0
+            # refused, not failed: never taken out of rotation (a probe could put it back
+            # before we look, so every failed() is recorded) and no backend error counted
+            assert failed == []
+            metrics = (await c.get(router + "/metrics")).text
+            assert sum(samples(metrics, "atom_router_backend_errors_total").values()) == 0
             # room never comes: the prefill's own reason, after the queue timeout, Retry-After
             p.prefill_errors = 10**6
             r = await complete(c, router)

@@ -3,7 +3,9 @@ is counted.
 
 Client errors (APIError, a body that cannot be read or parsed, routing's 404/405, 413) become
 OpenAI error bodies with their status; anything unexpected is logged and answered 500 in the same
-shape, never aiohttp's plain-text page. `on_status` sees the status of every response the
+shape, never aiohttp's plain-text page. A CancelledError that leaked out of something the handler
+awaited (its own task was not cancelled) is such an unexpected failure too: aiohttp would close
+the connection without a status line. `on_status` sees the status of every response the
 handlers produced, so /metrics counts 4xx and 5xx as well as 200s.
 """
 
