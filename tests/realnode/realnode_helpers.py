@@ -53,6 +53,12 @@ def pod_ready(pod: dict[str, Any]) -> bool:
                for c in pod["status"].get("conditions", []))  # fmt: skip
 
 
+def ready_pods(kubectl: Kubectl, name: str, count: int) -> list[dict[str, Any]]:
+    """The role's pods when there are `count` and all are Ready, else []."""
+    pods = runtime_pods(kubectl, name)
+    return pods if len(pods) == count and all(map(pod_ready, pods)) else []
+
+
 def status_of(pod: dict[str, Any]) -> dict[str, Any]:
     code, body = http_json(f"http://{pod['status']['podIP']}:8000/status")
     assert code == 200, body

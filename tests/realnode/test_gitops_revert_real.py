@@ -28,9 +28,8 @@ from realnode_helpers import (
     NAMESPACE,
     atomd,
     chart_operator,
-    pod_ready,
+    ready_pods,
     running_real_cluster,
-    runtime_pods,
     status_of,
 )
 
@@ -97,8 +96,7 @@ def rolled_out(repo: FluxRepo, kubectl: Kubectl, push: Callable[[], str],
     assert is_ready(obj), json.dumps(obj["status"], indent=1)
     assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
     assert obj["spec"]["compilation"]["level"] == level
-    pod = wait_for(f"one Ready pod of {NAME}", lambda: (lambda pods: pods[0] if len(pods) == 1
-                   and pod_ready(pods[0]) else None)(runtime_pods(kubectl, NAME)), timeout=60)
+    pod = wait_for(f"one Ready pod of {NAME}", lambda: ready_pods(kubectl, NAME, 1), timeout=60)[0]
     status = status_of(pod)
     assert status["level"] == level, status["level"]
     return {"revision": obj["status"]["revision"], "pod": status, "ready_s": took, "sha": sha}

@@ -31,11 +31,6 @@ def eager(name: str, replicas: int) -> dict[str, Any]:
     return manifest
 
 
-def ready_pods(kubectl: Kubectl, name: str, count: int) -> list[dict[str, Any]]:
-    pods = rn.runtime_pods(kubectl, name)
-    return pods if len(pods) == count and all(map(rn.pod_ready, pods)) else []
-
-
 def pod_exec(kubectl: Kubectl, pod: dict[str, Any], code: str) -> str:
     """Python in the runtime container (the image has no kill or ps binary)."""
     name = pod["metadata"]["name"]
@@ -53,7 +48,7 @@ def test_a_hung_engine_loop_is_restarted_by_the_liveness_probe(
     try:
         pod = wait_for(
             "the pod to be Ready",
-            lambda: ready_pods(kubectl, HANG, 1),
+            lambda: rn.ready_pods(kubectl, HANG, 1),
             timeout=300,
         )[0]
         probe = pod["spec"]["containers"][0]["livenessProbe"]

@@ -194,4 +194,4 @@ def test_scale_out_and_back_with_no_failed_request(kube_ctl: Kubectl) -> None:
           flush=True)  # fmt: skip
     if os.environ.get("ATOM_SCALE_OUT_COLD") == "1":  # the measurement, several minutes more
         results["cold"] = scale_out_round(kube_ctl, "scale-cold", cache=False)
-    print("\nscale-out (seconds from the spike):", json.dumps(results, indent=1))
+        print("\nscale-out (seconds from the spike):", json.dumps(results, indent=1))

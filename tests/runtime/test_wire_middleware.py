@@ -14,13 +14,10 @@ from aiohttp.test_utils import make_mocked_request
 from atom.wire.middleware import json_errors
 
 
-def _middleware(seen: list[int]):
-    return json_errors(lambda _req, status: seen.append(status))
-
-
 async def _call(handler) -> web.StreamResponse:
     seen: list[int] = []
-    resp = await _middleware(seen)(make_mocked_request("POST", "/v1/completions"), handler)
+    middleware = json_errors(lambda _req, status: seen.append(status))
+    resp = await middleware(make_mocked_request("POST", "/v1/completions"), handler)
     assert seen == [resp.status]  # every answer is counted
     return resp
 
